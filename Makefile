@@ -1,0 +1,30 @@
+# The two commands a new user runs: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# torch first: on this kind of machine torch==2.13.0 is a local CPU build; a bare `torch`
+	# requirement would otherwise pull a multi-GB CUDA build.
+	$(VPY) -m pip install -q "torch==2.13.0" || $(VPY) -m pip install -q "torch>=2.4"
+	$(VPY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(VPY) examples/run_demo.py
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q tests
+
+bench: $(STAMP)
+	OMP_NUM_THREADS=1 $(VPY) benchmarks/save_load.py
+
+clean:
+	rm -rf $(VENV) *.egg-info build .pytest_cache

@@ -1,0 +1,69 @@
+"""``unickpt.save`` and ``unickpt.load``: one checkpoint directory, collective over a process group."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .engine import SaveHandle, get_engine
+from .loading import LoadStats
+
+__all__ = ["save", "load"]
+
+
+def save(path: str | os.PathLike, state: dict, *, async_save: bool = False, process_group: Any = None,
+         storage_options: dict | None = None, step: int | None = None, framework: str | None = None) -> SaveHandle:
+    """Save ``state`` to the directory ``path``; collective over ``process_group`` (default: world).
+
+    Args:
+        path: a new directory (local path or fsspec URL). An incomplete directory left by a failed
+            save is replaced; a committed one raises CheckpointExistsError.
+        state: a nested dict; leaves as described in :mod:`unickpt.state` (tensors, DTensors,
+            :class:`~unickpt.Shard`, :class:`~unickpt.PerRank`, modules, optimizers, stateful
+            objects, plain values). Replicated tensors are written once.
+        async_save: return as soon as the state is snapshotted into host memory (the only blocking
+            part); writing and the commit continue in the background. Changing tensors after the
+            return cannot reach the checkpoint.
+        process_group: the ranks taking part; every one of them must call ``save``.
+        storage_options: passed to the fsspec filesystem.
+        step, framework: recorded in ``metadata.json``.
+
+    Returns:
+        a :class:`SaveHandle`; ``wait()`` blocks until committed and raises the save's error.
+        ``handle.stats.stall_s`` is the time this call blocked.
+
+    Raises:
+        SaveFailedError: (sync saves, or planning failures) naming every failed rank and why.
+        StateMismatchError: ranks disagree on a tensor's dtype or global shape.
+    """
+    return get_engine(process_group).save(os.fspath(path), state, async_save=async_save,
+                                          storage_options=storage_options, step=step, framework=framework)
+
+
+def load(path: str | os.PathLike, state: dict, *, strict: bool = True, process_group: Any = None,
+         storage_options: dict | None = None, allow_pickle: bool = False, verify: bool = True) -> LoadStats:
+    """Load the checkpoint at ``path`` into ``state`` in place, resharding to the current layout.
+
+    Tensors (and DTensor / Shard local shards) are filled in place from exactly the stored byte
+    ranges that overlap them, whatever the world size or placements at save time; non-tensor
+    leaves are replaced in their dicts; modules, optimizers and stateful objects get
+    ``load_state_dict``; :class:`~unickpt.PerRank` state is restored per rank.
+
+    Args:
+        strict: missing or unexpected keys are errors (else only common keys are loaded).
+        allow_pickle: allow objects that were stored as pickles (arbitrary classes) to be
+            unpickled. Off by default: unpickling can execute code.
+        verify: check the checksum of every chunk that is read whole.
+
+    Returns:
+        this rank's :class:`~unickpt.loading.LoadStats` (bytes read, read requests).
+
+    Raises:
+        CheckpointNotFoundError: no ``metadata.json`` (an uncommitted or missing checkpoint).
+        FormatVersionError: an unknown format version.
+        StateMismatchError: keys, dtypes or shapes differ (dtype and shape are never converted).
+        PerRankReshardError: per-rank state saved at another world size without a reshard rule.
+        IntegrityError: a checksum mismatch or a truncated file.
+        UnsafeObjectError: a pickled object and ``allow_pickle=False``.
+    """
+    return get_engine(process_group).load(os.fspath(path), state, strict=strict, storage_options=storage_options,
+                                          allow_pickle=allow_pickle, verify=verify)

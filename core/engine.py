@@ -1,0 +1,410 @@
+"""The engine: one per process group. Runs saves (plan -> stage -> background write -> commit) and loads.
+
+Save call sequence (every rank of the group):
+
+1. caller's thread: flatten the state, build the local plan, ``all_gather`` the plans on the
+   private *plan* group; every rank derives the same global plan (replicas written once,
+   balanced). Group rank 0 first refuses a committed target directory and clears an incomplete one.
+2. caller's thread: stage this rank's chunks into a free staging pool (ping-pong of two) and
+   snapshot per-rank objects. This is the stall; ``save`` returns here when async.
+3. background thread (one per engine, so saves commit in order): write this rank's data file
+   (and per-rank object file), fsync, release the pool; ``all_gather`` the results on the private
+   *background* group; if every rank succeeded, group rank 0 writes ``metadata.json`` atomically
+   (the commit) and runs the ``on_commit`` callback; the outcome is broadcast so every rank's
+   handle reports the same result (:class:`~unickpt.errors.SaveFailedError` names failed ranks).
+
+A failure anywhere leaves no ``metadata.json``, so the directory is never loaded, and the
+previously committed checkpoints are not touched.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import traceback
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from . import codec
+from .collectives import Comm
+from .errors import (CheckpointExistsError, PerRankReshardError, SaveFailedError, StateMismatchError,
+                     UnickptError)
+from .loading import LoadStats, load_tensor
+from .metadata import METADATA_FILE, ChunkMeta, CheckpointMetadata, TensorMeta, checksum, read_metadata
+from .planner import GlobalPlan, LocalPlan, make_global_plan, make_local_plan
+from .resharding import FlatRange
+from .staging import StagingPool
+from .state import check_leaf_fits, flatten, saved_leaves
+from .storage import Storage
+
+__all__ = ["Engine", "SaveHandle", "SaveStats", "get_engine"]
+
+log = logging.getLogger("unickpt")
+
+
+@dataclass
+class SaveStats:
+    """Timings (seconds) and sizes (bytes) of one save on this rank."""
+
+    path: str
+    step: int | None = None
+    stall_s: float = 0.0  # time the caller was blocked in save()
+    plan_s: float = 0.0
+    pool_wait_s: float = 0.0  # part of the stall spent waiting for a free staging pool
+    stage_s: float = 0.0
+    write_s: float = 0.0
+    commit_s: float = 0.0
+    total_s: float = 0.0  # from the call to the commit
+    bytes_staged: int = 0
+    bytes_written: int = 0  # this rank's data + object files
+    committed: bool = False
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class SaveHandle:
+    """The result of a save: ``wait()`` blocks until committed and raises the save's error, if any."""
+
+    def __init__(self, future: Future, stats: SaveStats):
+        self._future = future
+        self.stats = stats
+
+    @property
+    def path(self) -> str:
+        return self.stats.path
+
+    def done(self) -> bool:
+        """True once the save has committed or failed."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save commits. Raises SaveFailedError (or the save's error) if it failed,
+        and concurrent.futures.TimeoutError if ``timeout`` seconds pass first."""
+        self._future.result(timeout)
+
+
+def _format_exc(e: BaseException) -> str:
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__))
+
+
+@dataclass
+class _SaveJob:
+    path: str
+    storage: Storage
+    plan: GlobalPlan
+    plans: list[LocalPlan]
+    stats: SaveStats
+    step: int | None
+    framework: str | None
+    extra: dict
+    on_commit: Callable[[], None] | None
+    skeleton: Any = None
+    pool: StagingPool | None = None
+    staged: list = field(default_factory=list)  # (PlannedChunk, StagedChunk)
+    per_rank_blob: bytes | None = None
+    error: BaseException | None = None
+    t0: float = 0.0
+
+
+class Engine:
+    """Saves and loads for the ranks of one process group (see the module docstring).
+
+    Args:
+        process_group: the ranks taking part (default: the world). Its backend is not used.
+        timeout_s: deadline of each internal collective.
+    """
+
+    def __init__(self, process_group: Any = None, timeout_s: float = 1800.0):
+        self.comm = Comm(process_group, timeout_s)
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self._pools = [StagingPool(), StagingPool()]
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unickpt-save")
+        self._pending: list[Future] = []
+        self._lock = threading.Lock()
+        self.run_id = uuid.uuid4().hex
+
+    # -- save -------------------------------------------------------------------------------------
+    def save(self, path: str, state: dict, *, async_save: bool = False, storage_options: dict | None = None,
+             step: int | None = None, framework: str | None = None, extra: dict | None = None,
+             on_commit: Callable[[], None] | None = None) -> SaveHandle:
+        t0 = time.perf_counter()
+        stats = SaveStats(path=str(path), step=step)
+        storage = Storage(path, storage_options)
+        path = str(path)
+        local_error: BaseException | None = None
+        try:
+            flat = flatten(state, for_load=False)
+            for leaf in flat.tensors.values():
+                check_leaf_fits(leaf)
+            local = make_local_plan(flat, self.rank)
+            if self.rank == 0:
+                self._prepare_dir(storage, path)
+        except Exception as e:  # every rank must still join the gather, or the others hang
+            local_error, local = e, LocalPlan(rank=self.rank, error=_format_exc(e))
+        plans = self.comm.all_gather(local, self.comm.plan_group)
+        failures = {p.rank: p.error for p in plans if p.error}
+        if failures:
+            raise SaveFailedError(path, failures) from local_error
+        plan = make_global_plan(plans)
+        stats.plan_s = time.perf_counter() - t0
+
+        job = _SaveJob(path, storage, plan, plans, stats, step, framework, extra or {}, on_commit, t0=t0)
+        try:
+            job.pool, stats.pool_wait_s = self._acquire_pool()
+            t_stage = time.perf_counter()
+            mine = plan.writes_for(self.rank)
+            layout = job.pool.stage([flat.tensors[c.fqn].local for c in mine])
+            job.staged = list(zip(mine, layout))
+            stats.bytes_staged = sum(c.nbytes for c in mine)
+            if flat.per_rank:
+                encoded = {fqn: codec.encode(pr.state_dict()) for fqn, pr in flat.per_rank.items()}
+                job.per_rank_blob = json.dumps(encoded, separators=(",", ":")).encode()
+            if self.rank == 0:
+                job.skeleton = flat.skeleton
+            stats.stage_s = time.perf_counter() - t_stage
+        except Exception as e:
+            job.error = e
+        future = self._executor.submit(self._drain, job)
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()] + [future]
+        stats.stall_s = time.perf_counter() - t0
+        handle = SaveHandle(future, stats)
+        if not async_save:
+            handle.wait()
+        return handle
+
+    def _prepare_dir(self, storage: Storage, path: str) -> None:
+        if storage.exists(storage.join(path, METADATA_FILE)):
+            raise CheckpointExistsError(
+                f"{path!r} already holds a committed checkpoint; committed checkpoints are never "
+                "overwritten (choose a new path or step, or delete it first)"
+            )
+        if storage.exists(path):
+            log.warning("unickpt: removing incomplete checkpoint directory %s (no %s)", path, METADATA_FILE)
+            storage.rm(path)
+        storage.makedirs(storage.join(path, "data"))
+
+    def _acquire_pool(self) -> tuple[StagingPool, float]:
+        t0 = time.perf_counter()
+        while True:
+            with self._lock:
+                for pool in self._pools:
+                    if pool.released.is_set():
+                        pool.released.clear()
+                        return pool, time.perf_counter() - t0
+            # both pools are draining: wait for either (the older one finishes first)
+            self._pools[0].released.wait(0.05) or self._pools[1].released.wait(0.05)
+
+    def _drain(self, job: _SaveJob) -> None:
+        """Background thread: write, gather results, commit. Every rank reaches both collectives."""
+        stats, storage = job.stats, job.storage
+        result: dict[str, Any]
+        t_write = time.perf_counter()
+        try:
+            if job.error is not None:
+                raise job.error
+            result = {"ok": True, "records": self._write_files(job)}
+        except BaseException as e:
+            result = {"ok": False, "error": _format_exc(e)}
+        finally:
+            if job.pool is not None:
+                job.pool.released.set()
+        stats.write_s = time.perf_counter() - t_write
+        t_commit = time.perf_counter()
+        results = self.comm.all_gather(result, self.comm.background_group)
+        failures = {r: res["error"] for r, res in enumerate(results) if not res["ok"]}
+        if failures:
+            raise SaveFailedError(job.path, failures)
+        status = None
+        if self.rank == 0:
+            try:
+                meta = self._build_metadata(job, [res["records"] for res in results])
+                storage.write_atomic(storage.join(job.path, METADATA_FILE), meta.to_json().encode())
+            except BaseException as e:
+                status = _format_exc(e)
+        status = self.comm.broadcast(status, self.comm.background_group)
+        if status is not None:
+            raise SaveFailedError(job.path, {0: status})
+        stats.committed = True
+        stats.commit_s = time.perf_counter() - t_commit
+        stats.total_s = time.perf_counter() - job.t0
+        if self.rank == 0 and job.on_commit is not None:
+            try:
+                job.on_commit()
+            except Exception:
+                log.exception("unickpt: post-commit step (latest pointer / retention) failed for %s", job.path)
+        log.info("unickpt: saved %s rank %d: %.1f MB, stall %.3f s, total %.3f s", job.path, self.rank,
+                 stats.bytes_written / 1e6, stats.stall_s, stats.total_s)
+
+    def _write_files(self, job: _SaveJob) -> dict:
+        storage, pool = job.storage, job.pool
+        records = []
+        if job.staged:
+            rel = f"data/{self.rank}_0.bin"
+            offset = 0
+            buffers = []
+            for chunk, staged in job.staged:
+                mv = memoryview(pool.view(staged).numpy())
+                records.append((chunk.fqn, chunk.spec, rel, offset, staged.nbytes, checksum(mv)))
+                buffers.append(mv)
+                offset += staged.nbytes
+            job.stats.bytes_written += storage.write_file(storage.join(job.path, rel), buffers)
+        per_rank_file = None
+        if job.per_rank_blob is not None:
+            per_rank_file = f"objects/rank_{self.rank}.json"
+            storage.makedirs(storage.join(job.path, "objects"))
+            job.stats.bytes_written += storage.write_file(storage.join(job.path, per_rank_file), [job.per_rank_blob])
+        return {"chunks": records, "per_rank_file": per_rank_file}
+
+    def _build_metadata(self, job: _SaveJob, records: list[dict]) -> CheckpointMetadata:
+        chunks: dict[str, list[ChunkMeta]] = {fqn: [] for fqn in job.plan.tensors}
+        for rank_records in records:
+            for fqn, spec, rel, offset, nbytes, digest in rank_records["chunks"]:
+                chunks[fqn].append(ChunkMeta(spec, rel, offset, nbytes, digest))
+        tensors = {
+            fqn: TensorMeta(dtype, shape, tuple(sorted(chunks[fqn], key=lambda c: str(c.spec))))
+            for fqn, (dtype, shape) in job.plan.tensors.items()
+        }
+        per_rank_fqns = sorted({f for p in job.plans for f in p.per_rank_fqns})
+        per_rank = {}
+        if per_rank_fqns:
+            per_rank = {"world_size": self.world_size, "fqns": per_rank_fqns,
+                        "files": [r["per_rank_file"] for r in records]}
+        return CheckpointMetadata(
+            tensors=tensors, state_tree=job.skeleton, layout={"world_size": self.world_size},
+            aliases=job.plan.aliases, per_rank=per_rank, step=job.step, framework=job.framework,
+            run_id=self.run_id, extra=job.extra,
+        )
+
+    # -- load -------------------------------------------------------------------------------------
+    def load(self, path: str, state: dict, *, strict: bool = True, storage_options: dict | None = None,
+             allow_pickle: bool = False, verify: bool = True) -> LoadStats:
+        """Load ``path`` into ``state`` in place. See :func:`unickpt.load`."""
+        self.wait()
+        path = str(path)
+        storage = Storage(path, storage_options)
+        meta = read_metadata(storage, path)
+        flat = flatten(state, for_load=True)
+        saved_tensors, saved_per_rank, saved_objects = saved_leaves(meta.state_tree)
+        _check_keys(flat, saved_tensors, saved_per_rank, saved_objects, strict, path)
+        stats = LoadStats()
+        for fqn, leaf in flat.tensors.items():
+            if fqn not in saved_tensors:
+                continue
+            source = meta.aliases.get(fqn, fqn)
+            tmeta = meta.tensors[source]
+            got_dtype, got_shape = codec.dtype_to_str(leaf.dtype), tuple(leaf.global_shape)
+            if (got_dtype, got_shape) != (tmeta.dtype, tmeta.shape):
+                raise StateMismatchError(
+                    f"{fqn!r}: checkpoint has dtype {tmeta.dtype} shape {list(tmeta.shape)}, the state to "
+                    f"load into has dtype {got_dtype} shape {list(got_shape)} (no implicit cast or reshape)"
+                )
+            if isinstance(leaf.spec, FlatRange) or leaf.spec.numel:
+                load_tensor(storage, path, leaf, tmeta, stats, verify)
+        for fqn, (container, key) in flat.objects.items():
+            if fqn in saved_objects and not isinstance(container, tuple):
+                container[key] = codec.decode(saved_objects[fqn], allow_pickle=allow_pickle, key=fqn)
+        if flat.per_rank:
+            self._load_per_rank(storage, path, meta, flat.per_rank, saved_per_rank, allow_pickle)
+        for apply in flat.appliers:
+            apply()
+        return stats
+
+    def _load_per_rank(self, storage: Storage, path: str, meta: CheckpointMetadata, targets: dict,
+                       saved: set[str], allow_pickle: bool) -> None:
+        info = meta.per_rank
+        saved_ws = int(info.get("world_size", 0))
+        files: dict[int, dict] = {}
+
+        def rank_state(r: int) -> dict:
+            if r not in files:
+                rel = info["files"][r]
+                if rel is None:
+                    raise UnickptError(f"{path!r}: rank {r} saved no per-rank state")
+                files[r] = json.loads(storage.read_bytes(storage.join(path, rel)))
+            return files[r]
+
+        for fqn, target in targets.items():
+            if fqn not in saved:
+                continue
+            if saved_ws == self.world_size:
+                target.load_state_dict(codec.decode(rank_state(self.rank)[fqn], allow_pickle=allow_pickle, key=fqn))
+                continue
+            if target.reshard is None:
+                raise PerRankReshardError(
+                    f"{fqn!r}: per-rank state was saved by {saved_ws} ranks and is being loaded by "
+                    f"{self.world_size}; give PerRank(..., reshard=fn) to say how to redistribute it"
+                )
+            states = [codec.decode(rank_state(r)[fqn], allow_pickle=allow_pickle, key=fqn) for r in range(saved_ws)]
+            target.load_state_dict(target.reshard(states, self.rank, self.world_size))
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def broadcast(self, obj: Any) -> Any:
+        """Group rank 0's ``obj`` on every rank (caller's thread only)."""
+        return self.comm.broadcast(obj, self.comm.plan_group)
+
+    def wait(self) -> None:
+        """Wait for every pending save; raise the first error among them."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        first: BaseException | None = None
+        for f in pending:
+            try:
+                f.result()
+            except BaseException as e:  # keep waiting for the rest
+                first = first or e
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+            self.comm.close()
+
+
+def _check_keys(flat, saved_tensors: set, saved_per_rank: set, saved_objects: dict, strict: bool, path: str) -> None:
+    kinds_target = {**{f: "tensor" for f in flat.tensors}, **{f: "per-rank object" for f in flat.per_rank},
+                    **{f: "object" for f in flat.objects}}
+    kinds_saved = {**{f: "tensor" for f in saved_tensors}, **{f: "per-rank object" for f in saved_per_rank},
+                   **{f: "object" for f in saved_objects}}
+    wrong_kind = [f"{f!r} (checkpoint: {kinds_saved[f]}, state: {k})" for f, k in kinds_target.items()
+                  if f in kinds_saved and kinds_saved[f] != k]
+    if wrong_kind:
+        raise StateMismatchError(f"{path!r}: entries of another kind: " + ", ".join(sorted(wrong_kind)[:20]))
+    if not strict:
+        return
+    missing = sorted(set(kinds_target) - set(kinds_saved))
+    unexpected = sorted(set(kinds_saved) - set(kinds_target))
+    if missing or unexpected:
+        def show(keys: list[str]) -> str:
+            return ", ".join(repr(k) for k in keys[:20]) + (f" ... ({len(keys)} in all)" if len(keys) > 20 else "")
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {show(missing)}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in the state: {show(unexpected)}")
+        raise StateMismatchError(f"{path!r}: keys differ (strict=True); " + "; ".join(parts))
+
+
+_ENGINES: dict[Any, Engine] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def get_engine(process_group: Any = None) -> Engine:
+    """The engine of ``process_group`` (created on first use, collectively). One per group per process."""
+    import torch.distributed as dist
+
+    key = process_group if process_group is not None else (dist.group.WORLD if dist.is_available() and dist.is_initialized() else None)
+    with _ENGINES_LOCK:
+        engine = _ENGINES.get(key)
+        if engine is None:
+            engine = _ENGINES[key] = Engine(process_group)
+        return engine

@@ -1,0 +1,283 @@
+"""State traversal: a caller's nested state <-> flat ``fqn -> leaf`` maps (the canonical state).
+
+Leaves:
+- ``torch.Tensor``: replicated over the group (every rank holds the whole tensor);
+- ``DTensor``: its local shard, an N-d box computed from mesh and placements (Shard/Replicate);
+- :class:`~unickpt.types.Shard`: a box or flat range given by a plugin;
+- :class:`~unickpt.types.PerRank`: per-rank state, stored per rank;
+- ``nn.Module`` / ``torch.optim.Optimizer``: expanded with ``torch.distributed.checkpoint.state_dict``
+  (``get_model_state_dict`` / ``get_optimizer_state_dict``), so DDP and FSDP2 models work;
+- other objects with ``state_dict()`` / ``load_state_dict()``: expanded with ``state_dict()``;
+- anything else: a plain value (global: rank 0's copy is saved, every rank gets it back).
+
+Dicts are always descended into; lists and tuples only when they hold a tensor leaf. The fqn of a
+leaf joins the keys on its path with ``.``; two paths giving one fqn are an error.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import codec
+from .resharding import Box, ChunkSpec
+from .types import PerRank, Shard
+
+__all__ = ["TensorLeaf", "FlatState", "flatten", "saved_leaves", "dtensor_box", "check_leaf_fits"]
+
+
+@dataclass
+class TensorLeaf:
+    """One tensor leaf: ``local`` holds the elements of ``spec`` of a global ``dtype`` tensor."""
+
+    fqn: str
+    dtype: torch.dtype
+    global_shape: tuple[int, ...]
+    local: torch.Tensor
+    spec: ChunkSpec
+
+
+@dataclass
+class FlatState:
+    """A state reduced to flat maps, plus what is needed to put loaded values back."""
+
+    tensors: dict[str, TensorLeaf] = field(default_factory=dict)
+    objects: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # fqn -> (container, key)
+    per_rank: dict[str, PerRank] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)  # fqn -> fqn it shares storage with
+    skeleton: Any = None  # the expanded tree, encoded, with tensor / per-rank references
+    appliers: list[Callable[[], None]] = field(default_factory=list)  # load_state_dict calls, inner first
+
+
+def dtensor_box(dt: Any, fqn: str) -> Box:
+    """The global box of a DTensor's local shard. Raises ValueError for Partial/strided placements."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard as DShard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in dt.placements:
+        if type(p) not in (DShard, Replicate):
+            raise ValueError(
+                f"{fqn!r}: DTensor placement {p} is not supported (expected Shard(d) or Replicate; "
+                "reduce Partial placements before saving)"
+            )
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    return Box(tuple(int(o) for o in offset), tuple(int(n) for n in shape))
+
+
+def _is_dtensor(x: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(x, DTensor)
+
+
+def _is_tensor_leaf(x: Any) -> bool:
+    return isinstance(x, (torch.Tensor, Shard))
+
+
+def _is_stateful(x: Any) -> bool:
+    return callable(getattr(x, "state_dict", None)) and callable(getattr(x, "load_state_dict", None))
+
+
+def _has_tensor(x: Any) -> bool:
+    if _is_tensor_leaf(x) or isinstance(x, PerRank):
+        return True
+    if isinstance(x, dict):
+        return any(_has_tensor(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_has_tensor(v) for v in x)
+    return False
+
+
+def _tensor_leaf(fqn: str, x: Any) -> TensorLeaf:
+    if isinstance(x, Shard):
+        return TensorLeaf(fqn, x.tensor.dtype, x.global_shape, x.tensor, x.spec)
+    if _is_dtensor(x):
+        return TensorLeaf(fqn, x.dtype, tuple(x.shape), x.to_local(), dtensor_box(x, fqn))
+    shape = tuple(x.shape)
+    return TensorLeaf(fqn, x.dtype, shape, x, Box((0,) * len(shape), shape))
+
+
+def _alias_key(leaf: TensorLeaf) -> tuple | None:
+    t = leaf.local
+    if t.numel() == 0 or t.device.type == "meta":
+        return None
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+            leaf.global_shape, leaf.spec)
+
+
+def _module_for(optim: torch.optim.Optimizer, modules: list[nn.Module], fqn: str) -> nn.Module:
+    ids = {id(p) for g in optim.param_groups for p in g["params"]}
+    for m in modules:
+        if any(id(p) in ids for p in m.parameters()):
+            return m
+    raise ValueError(f"{fqn!r}: no nn.Module in the state holds this optimizer's parameters; "
+                     "put the model in the same state dict as its optimizer")
+
+
+def _collect_modules(x: Any, out: list) -> None:
+    if isinstance(x, nn.Module):
+        out.append(x)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _collect_modules(v, out)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _collect_modules(v, out)
+
+
+def _encode_key_dict(d: dict, items: list[tuple[Any, Any]]) -> Any:
+    if all(isinstance(k, str) and k not in codec._TAGS for k in d):
+        return {k: v for k, v in items}
+    return {"__dict__": [[codec.encode(k), v] for k, v in items]}
+
+
+def flatten(state: dict, *, for_load: bool) -> FlatState:
+    """Reduce ``state`` to a :class:`FlatState`.
+
+    Modules, optimizers and stateful objects are expanded with their state dicts; for a load the
+    returned ``appliers`` push the loaded values back into them (call them after the tensors have
+    been filled in place). Raises ValueError on an fqn collision or an unsupported leaf.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict, got {type(state).__name__}")
+    out = FlatState()
+    modules: list[nn.Module] = []
+    _collect_modules(state, modules)
+    seen_alias: dict[tuple, str] = {}
+    paths: dict[str, tuple] = {}
+
+    def claim(fqn: str, path: tuple) -> None:
+        if fqn in paths:
+            raise ValueError(f"two entries of the state map to the fqn {fqn!r}: {paths[fqn]} and {path}; rename one")
+        paths[fqn] = path
+
+    def expand(x: Any, fqn: str) -> tuple[Any, Callable[[Any], None]] | None:
+        """State dict of a module / optimizer / stateful object and how to load it back, else None."""
+        if isinstance(x, nn.Module):
+            return get_model_state_dict(x), lambda sd, m=x: set_model_state_dict(m, sd)
+        if isinstance(x, torch.optim.Optimizer):
+            model = _module_for(x, modules, fqn)
+            return get_optimizer_state_dict(model, x), lambda sd, m=model, o=x: set_optimizer_state_dict(m, o, sd)
+        if not isinstance(x, (PerRank, torch.Tensor, Shard)) and _is_stateful(x):
+            return x.state_dict(), x.load_state_dict
+        return None
+
+    def walk(x: Any, path: tuple, container: Any, key: Any) -> Any:
+        fqn = ".".join(str(p) for p in path)
+        expanded = expand(x, fqn)
+        if expanded is not None:
+            sd, load_fn = expanded
+            holder = [sd]  # loaded plain values replace holder[0] itself when sd is not a container
+            enc = walk(sd, path, holder, 0)
+            if for_load:
+                out.appliers.append(lambda h=holder, f=load_fn: f(h[0]))
+            return enc
+        if isinstance(x, PerRank):
+            claim(fqn, path)
+            out.per_rank[fqn] = x
+            return {codec.PER_RANK_REF: fqn}
+        if _is_tensor_leaf(x):
+            claim(fqn, path)
+            leaf = _tensor_leaf(fqn, x)
+            akey = _alias_key(leaf)
+            if akey is not None and akey in seen_alias:
+                out.aliases[fqn] = seen_alias[akey]
+            elif akey is not None:
+                seen_alias[akey] = fqn
+            out.tensors[fqn] = leaf
+            return {codec.TENSOR_REF: fqn}
+        if isinstance(x, dict):
+            items = [(k, walk(v, path + (k,), x, k)) for k, v in x.items()]
+            return _encode_key_dict(x, items)
+        if isinstance(x, (list, tuple)) and _has_tensor(x):
+            enc = [walk(v, path + (i,), x, i) for i, v in enumerate(x)]
+            return enc if isinstance(x, list) else {"__tuple__": enc}
+        if not path:
+            raise TypeError("state must be a dict")
+        claim(fqn, path)
+        out.objects[fqn] = (container, key)
+        return codec.encode(x)
+
+    out.skeleton = walk(state, (), None, None)
+    return out
+
+
+def saved_leaves(skeleton: Any) -> tuple[set[str], set[str], dict[str, Any]]:
+    """Walk a saved (encoded) skeleton: ``(tensor fqns, per-rank fqns, {object fqn: encoded value})``.
+
+    Mirrors :func:`flatten`: dicts are descended into, lists and tuples only when they hold a
+    reference.
+    """
+    tensors: set[str] = set()
+    per_rank: set[str] = set()
+    objects: dict[str, Any] = {}
+
+    def has_ref(e: Any) -> bool:
+        if isinstance(e, dict):
+            if codec.TENSOR_REF in e or codec.PER_RANK_REF in e:
+                return True
+            return any(has_ref(v) for v in e.values())
+        if isinstance(e, list):
+            return any(has_ref(v) for v in e)
+        return False
+
+    def walk(e: Any, path: tuple) -> None:
+        fqn = ".".join(str(p) for p in path)
+        if isinstance(e, dict) and len(e) == 1:
+            (tag, body), = e.items()
+            if tag == codec.TENSOR_REF:
+                tensors.add(body)
+                return
+            if tag == codec.PER_RANK_REF:
+                per_rank.add(body)
+                return
+            if tag == "__dict__":
+                for k, v in body:
+                    walk(v, path + (codec.decode(k),))
+                return
+            if tag == "__tuple__" and has_ref(body):
+                for i, v in enumerate(body):
+                    walk(v, path + (i,))
+                return
+            if tag in codec._TAGS:
+                objects[fqn] = e
+                return
+        if isinstance(e, dict):
+            for k, v in e.items():
+                walk(v, path + (k,))
+            return
+        if isinstance(e, list) and has_ref(e):
+            for i, v in enumerate(e):
+                walk(v, path + (i,))
+            return
+        objects[fqn] = e
+
+    walk(skeleton, ())
+    return tensors, per_rank, objects
+
+
+def local_nbytes(leaf: TensorLeaf) -> int:
+    return leaf.spec.numel * leaf.dtype.itemsize
+
+
+def check_leaf_fits(leaf: TensorLeaf) -> None:
+    """Raise ValueError if the local tensor's size does not match its chunk spec."""
+    want = leaf.spec.numel
+    if leaf.local.numel() != want:
+        raise ValueError(f"{leaf.fqn!r}: local tensor has {leaf.local.numel()} elements, its shard spec {leaf.spec} has {want}")
+    if isinstance(leaf.spec, Box) and tuple(leaf.local.shape) != leaf.spec.lengths and math.prod(leaf.spec.lengths) > 0:
+        raise ValueError(f"{leaf.fqn!r}: local shape {list(leaf.local.shape)} != shard box lengths {list(leaf.spec.lengths)}")
+

@@ -1,0 +1,157 @@
+"""Storage: fsspec for every backend, with a fast path for local disk.
+
+Paths are strings: a local path (``/ckpt/run1``) or an fsspec URL (``s3://bucket/run1``,
+``memory://x``). The local path writes with ``os.write`` + ``fsync`` and reads with ``os.pread``;
+other protocols use the fsspec filesystem (``storage_options`` passed through).
+
+Commit primitive: :meth:`Storage.write_atomic` (local: temp file, fsync, ``os.replace``, fsync of
+the directory; object stores: a single put, which is atomic per object there).
+"""
+from __future__ import annotations
+
+import os
+import posixpath
+import uuid
+from typing import Iterable
+
+import fsspec
+
+__all__ = ["Storage"]
+
+
+class Storage:
+    """File operations rooted nowhere in particular; every method takes a full path.
+
+    Args:
+        url: any path or URL under the checkpoint root (selects the backend).
+        storage_options: keyword arguments for the fsspec filesystem (credentials, endpoint).
+    """
+
+    def __init__(self, url: str, storage_options: dict | None = None):
+        url = os.fspath(url)
+        self.fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        self.is_local = "file" in protocols or "local" in protocols
+
+    def strip(self, path: str) -> str:
+        path = os.fspath(path)
+        return os.path.abspath(self.fs._strip_protocol(path)) if self.is_local else path
+
+    def join(self, *parts: str) -> str:
+        return posixpath.join(*parts) if not self.is_local else os.path.join(*parts)
+
+    # -- queries --------------------------------------------------------------------------------
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self.strip(path)) if self.is_local else self.fs.exists(path)
+
+    def listdir(self, path: str) -> list[str]:
+        """Names (not paths) directly under ``path``; [] if it does not exist."""
+        if self.is_local:
+            p = self.strip(path)
+            return sorted(os.listdir(p)) if os.path.isdir(p) else []
+        try:
+            return sorted(posixpath.basename(e.rstrip("/")) for e in self.fs.ls(path, detail=False))
+        except FileNotFoundError:
+            return []
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(self.strip(path)) if self.is_local else int(self.fs.size(path))
+
+    def du(self, path: str) -> int:
+        """Total bytes of all files under ``path``."""
+        if self.is_local:
+            total = 0
+            for dirpath, _, files in os.walk(self.strip(path)):
+                total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files)
+            return total
+        return int(self.fs.du(path, total=True))
+
+    # -- writes ---------------------------------------------------------------------------------
+    def makedirs(self, path: str) -> None:
+        if self.is_local:
+            os.makedirs(self.strip(path), exist_ok=True)
+        else:
+            self.fs.makedirs(path, exist_ok=True)
+
+    def write_file(self, path: str, buffers: Iterable[memoryview | bytes]) -> int:
+        """Write the buffers one after another into a new file, durably. Returns bytes written."""
+        total = 0
+        if self.is_local:
+            fd = os.open(self.strip(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for buf in buffers:
+                    view = memoryview(buf).cast("B")
+                    while view:
+                        n = os.write(fd, view)
+                        total += n
+                        view = view[n:]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return total
+        with self.fs.open(path, "wb") as f:
+            for buf in buffers:
+                f.write(buf)
+                total += memoryview(buf).nbytes
+        return total
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """Make ``path`` hold exactly ``data`` or leave it as it was (the commit primitive)."""
+        if not self.is_local:
+            self.fs.pipe_file(path, data)
+            return
+        final = self.strip(path)
+        tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+        self.write_file(tmp, [data])
+        os.replace(tmp, final)
+        dfd = os.open(os.path.dirname(final), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def rm(self, path: str) -> None:
+        """Remove a file or a directory tree; missing paths are fine."""
+        if self.is_local:
+            import shutil
+
+            p = self.strip(path)
+            if os.path.isdir(p):
+                shutil.rmtree(p, ignore_errors=False)
+            elif os.path.exists(p):
+                os.remove(p)
+            return
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
+
+    # -- reads ----------------------------------------------------------------------------------
+    def read_bytes(self, path: str) -> bytes:
+        if self.is_local:
+            with open(self.strip(path), "rb") as f:
+                return f.read()
+        return self.fs.cat_file(path)
+
+    def read_into(self, path: str, ranges: list[tuple[int, int]], dest: memoryview, base: int) -> None:
+        """Read each ``(file_offset, length)`` range into ``dest[file_offset - base :]``.
+
+        Raises :class:`EOFError` if the file is shorter than a range (a truncated checkpoint).
+        """
+        dest = dest.cast("B")
+        if self.is_local:
+            fd = os.open(self.strip(path), os.O_RDONLY)
+            try:
+                for off, length in ranges:
+                    got = 0
+                    while got < length:
+                        n = os.preadv(fd, [dest[off - base + got : off - base + length]], off + got)
+                        if n == 0:
+                            raise EOFError(f"{path}: file ends before byte {off + length} (read {off + got})")
+                        got += n
+            finally:
+                os.close(fd)
+            return
+        for off, length in ranges:
+            data = self.fs.cat_file(path, start=off, end=off + length)
+            if len(data) != length:
+                raise EOFError(f"{path}: wanted {length} bytes at {off}, got {len(data)}")
+            dest[off - base : off - base + length] = data

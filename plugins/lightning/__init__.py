@@ -1,0 +1,3 @@
+"""unickpt plugin for lightning (not built yet: see the project issues)."""
+
+__all__: list[str] = []
