@@ -44,6 +44,8 @@ def _b64(data: bytes | memoryview) -> str:
 
 def encode(value: Any) -> Any:
     """Turn ``value`` into JSON-serialisable data (see module docstring). Never fails for picklable values."""
+    if isinstance(value, np.generic) and value.dtype.kind in "biufc":  # before float: np.float64 is a float
+        return {"__npscalar__": {"dtype": value.dtype.str, "data": _b64(value.tobytes())}}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, list):
@@ -74,8 +76,6 @@ def encode(value: Any) -> Any:
     if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
         a = np.ascontiguousarray(value)
         return {"__ndarray__": {"dtype": a.dtype.str, "shape": list(a.shape), "data": _b64(a.tobytes())}}
-    if isinstance(value, np.generic) and value.dtype.kind in "biufc":
-        return {"__npscalar__": {"dtype": value.dtype.str, "data": _b64(value.tobytes())}}
     cls = type(value)
     return {"__pickle__": {"type": f"{cls.__module__}.{cls.__qualname__}", "data": _b64(pickle.dumps(value))}}
 

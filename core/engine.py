@@ -74,6 +74,7 @@ class SaveHandle:
     def __init__(self, future: Future, stats: SaveStats):
         self._future = future
         self.stats = stats
+        self.error_reported = False  # a failure is raised once: by wait(), or else by the engine's next wait
 
     @property
     def path(self) -> str:
@@ -86,7 +87,12 @@ class SaveHandle:
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save commits. Raises SaveFailedError (or the save's error) if it failed,
         and concurrent.futures.TimeoutError if ``timeout`` seconds pass first."""
-        self._future.result(timeout)
+        try:
+            self._future.result(timeout)
+        except BaseException as e:
+            if not isinstance(e, TimeoutError):
+                self.error_reported = True
+            raise
 
 
 def _format_exc(e: BaseException) -> str:
@@ -125,7 +131,7 @@ class Engine:
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self._pools = [StagingPool(), StagingPool()]
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unickpt-save")
-        self._pending: list[Future] = []
+        self._pending: list[SaveHandle] = []
         self._lock = threading.Lock()
         self.run_id = uuid.uuid4().hex
 
@@ -170,11 +176,10 @@ class Engine:
             stats.stage_s = time.perf_counter() - t_stage
         except Exception as e:
             job.error = e
-        future = self._executor.submit(self._drain, job)
+        handle = SaveHandle(self._executor.submit(self._drain, job), stats)
         with self._lock:
-            self._pending = [f for f in self._pending if not f.done()] + [future]
+            self._pending = [h for h in self._pending if not (h.done() and h.error_reported)] + [handle]
         stats.stall_s = time.perf_counter() - t0
-        handle = SaveHandle(future, stats)
         if not async_save:
             handle.wait()
         return handle
@@ -350,15 +355,17 @@ class Engine:
         return self.comm.broadcast(obj, self.comm.plan_group)
 
     def wait(self) -> None:
-        """Wait for every pending save; raise the first error among them."""
+        """Wait for every pending save; raise the first error not already raised by its handle."""
         with self._lock:
             pending, self._pending = self._pending, []
         first: BaseException | None = None
-        for f in pending:
+        for handle in pending:
             try:
-                f.result()
+                handle._future.result()
             except BaseException as e:  # keep waiting for the rest
-                first = first or e
+                if not handle.error_reported:
+                    handle.error_reported = True
+                    first = first or e
         if first is not None:
             raise first
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -84,6 +85,11 @@ def torchrun(name: str, nproc: int, train_args: list[str], log_path: str, timeou
     return rc, wall
 
 
+def dir_bytes(path: str) -> int:
+    """Total size of the files under ``path`` (0 if it does not exist)."""
+    return sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(path) for f in fs)
+
+
 def tail(path: str, n: int = 40) -> str:
     with open(path) as f:
         return "".join(f.readlines()[-n:])
@@ -132,6 +138,26 @@ def median_of_max(saves: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def max_abs_diff(a: dict, b: dict) -> float | None:
+    """Largest |a - b| over the floating-point tensors both nested states hold at the same path."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or not a.is_floating_point():
+            return None
+        return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+    if isinstance(a, dict) and isinstance(b, dict):
+        vals = [max_abs_diff(a[k], b[k]) for k in a.keys() & b.keys()]
+        vals = [v for v in vals if v is not None]
+        return max(vals) if vals else None
+    return None
+
+
+def engine_breakdown(saves: list[dict]) -> dict[str, float]:
+    """Median over checkpoints of the slowest rank's engine timing, per timing name (ms)."""
+    names = {n for s in saves for n in s.get("engine_ms_per_rank", {})}
+    return {n: statistics.median(max(s["engine_ms_per_rank"][n]) for s in saves if n in s.get("engine_ms_per_rank", {}))
+            for n in sorted(names)}
+
+
 def latest_committed_step(root: str) -> int | None:
     """The engine's view of the latest committed step, read from a fresh process
     (``unickpt.Checkpointer(root).latest_step()``)."""
@@ -158,6 +184,8 @@ def main() -> int:
     p.add_argument("--loss-tol", type=float, default=1e-4,
                    help="max |final loss(resumed) - final loss(reference)| in nats")
     p.add_argument("--timeout", type=float, default=300, help="per-run timeout (s)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep checkpoints and full-state dumps (default: deleted when all checks pass)")
     args = p.parse_args()
     if args.kill_at % args.ckpt_every or not args.ckpt_every < args.kill_at < args.steps:
         p.error("--kill-at must be a checkpoint step after the first one and before --steps")
@@ -168,7 +196,7 @@ def main() -> int:
             p.error(f"--workdir {args.workdir} is not empty")
         work = os.path.abspath(args.workdir)
     else:
-        work = tempfile.mkdtemp(prefix="unickpt_demo_", dir="/tmp")
+        work = tempfile.mkdtemp(prefix="unickpt_demo_")
     d = {k: os.path.join(work, k) for k in ("reference", "killed", "resumed")}
     for v in d.values():
         os.makedirs(v)
@@ -201,15 +229,28 @@ def main() -> int:
     killed_dir = os.path.join(run_root, f"step_{args.kill_at}")
     killed_dir_exists = os.path.isdir(killed_dir)
     killed_dir_files = sorted(os.listdir(killed_dir)) if killed_dir_exists else []
+    killed_dir_bytes = dir_bytes(killed_dir)
     killed_during_write = killed_dir_exists and not os.path.exists(os.path.join(killed_dir, "metadata.json"))
-    committed_dirs = sorted(n for n in os.listdir(run_root) if os.path.exists(os.path.join(run_root, n, "metadata.json")))
+    committed_dirs = sorted(n for n in (os.listdir(run_root) if os.path.isdir(run_root) else [])
+                            if os.path.exists(os.path.join(run_root, n, "metadata.json")))
     if rc_kill == 0 or not killed_by_signal:
         print(tail(killed_log))
     print(f"  killed: torchrun reported failure as expected: {rc_kill != 0}; "
-          f"step_{args.kill_at}/ exists: {killed_dir_exists} ({len(killed_dir_files)} entries), "
+          f"step_{args.kill_at}/ exists: {killed_dir_exists} ({killed_dir_bytes / 2**20:.1f} MiB written), "
           f"metadata.json absent: {killed_during_write}; committed: {committed_dirs}")
-    latest_after_kill = latest_committed_step(run_root)
-    print(f"  killed: latest committed step according to unickpt: {latest_after_kill}")
+    latest_file = None
+    if os.path.exists(os.path.join(run_root, "latest")):
+        with open(os.path.join(run_root, "latest")) as f:
+            latest_file = f.read().strip()
+    try:
+        latest_after_kill = latest_committed_step(run_root)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"  killed: {e}")
+        latest_after_kill = None
+    latest_ok = (latest_after_kill not in (None, args.kill_at)
+                 and latest_file != f"step_{args.kill_at}")
+    print(f"  killed: latest committed step according to unickpt: {latest_after_kill} "
+          f"(root/latest file: {latest_file!r})")
 
     # 3. Resume on a different world size from the latest committed checkpoint.
     rc_res, wall_res = torchrun(
@@ -238,6 +279,14 @@ def main() -> int:
         diffs, state_bytes = bitwise_diff(a, b), count_tensor_bytes(a)
     state_equal = not diffs
 
+    # Informational: how far apart the final states of the 2-rank and 4-rank runs are.
+    final_state_diff = None
+    ref_final = os.path.join(d["reference"], "dumps", f"step_{args.steps}.pt")
+    res_final = os.path.join(d["resumed"], "dumps", f"step_{args.steps}.pt")
+    if os.path.exists(ref_final) and os.path.exists(res_final):
+        final_state_diff = max_abs_diff(torch.load(ref_final, weights_only=True),
+                                        torch.load(res_final, weights_only=True))
+
     final = str(args.steps)
     loss_ref = ref["losses"].get(final)
     loss_res = res.get("losses", {}).get(final)
@@ -249,7 +298,7 @@ def main() -> int:
         "reference run succeeded": rc_ref == 0,
         "killed run died by SIGKILL after save() returned": rc_kill != 0 and killed_by_signal,
         "killed step dir exists without metadata.json": killed_during_write,
-        "latest committed step is not the killed one": latest_after_kill not in (None, args.kill_at),
+        "latest committed step is not the killed one": latest_ok,
         "resumed run succeeded": rc_res == 0,
         f"resumed from step {expected_resume}": resumed_from == expected_resume,
         "loaded state bitwise equal to reference": state_equal,
@@ -263,6 +312,8 @@ def main() -> int:
         "killed_at_step": args.kill_at,
         "killed_during_write": killed_during_write,
         "killed_step_dir_entries": killed_dir_files,
+        "killed_step_bytes_on_disk": killed_dir_bytes,
+        "latest_file_after_kill": latest_file,
         "latest_step_after_kill": latest_after_kill,
         "resumed_from_step": resumed_from,
         "state_bitwise_equal": state_equal,
@@ -273,6 +324,7 @@ def main() -> int:
         "loss_resumed": loss_res,
         "loss_abs_diff": loss_diff,
         "loss_max_abs_diff_resumed_steps": max_loss_diff,
+        "final_state_max_abs_diff": final_state_diff,
         "loss_tolerance": args.loss_tol,
         "loss_tolerance_note": "absolute, nats/byte; 2 vs 4 ranks differ only in float reduction order",
         "stall_ms_median": median_of_max(ref["saves"], "stall_ms_per_rank"),
@@ -280,6 +332,7 @@ def main() -> int:
         "timing_note": ("per checkpoint of the reference run, slowest rank; stall = time ckpt.save() blocked "
                         "the training loop; torch_save = get sharded state dicts + torch.save to a local "
                         "file (page cache, no fsync) of the same state on each rank"),
+        "engine_timings_ms_median": engine_breakdown(ref["saves"]),
         "saves_reference": ref["saves"],
         "params": ref["params"],
         "timings": {
@@ -315,7 +368,11 @@ def main() -> int:
         (f"loss at step {args.steps}: resumed", fmt(loss_res, ".6f")),
         ("|diff| (tolerance)", f"{fmt(loss_diff, '.2e')} ({args.loss_tol:g})"),
         ("ckpt.save() stall, median", f"{fmt(report['stall_ms_median'], '.1f')} ms"),
+        ("  engine: plan / stage / total", " / ".join(
+            f"{fmt(report['engine_timings_ms_median'].get(n), '.1f')}" for n in ("plan_s", "stage_s", "total_s"))
+            + " ms (total = call to commit)"),
         ("torch.save same state, median", f"{fmt(report['torch_save_ms_median'], '.1f')} ms"),
+        ("final-state max |diff| (info)", fmt(final_state_diff, ".2e")),
         ("wall time", f"{total_wall:.1f} s (ref {wall_ref:.1f}, killed {wall_kill:.1f}, resumed {wall_res:.1f})"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -326,6 +383,11 @@ def main() -> int:
         print(f"  [{'PASS' if ok else 'FAIL'}] {k}")
     if diffs and not state_equal:
         print("  first state differences:", *diffs[:5], sep="\n    ")
+    if report["passed"] and not args.keep:  # ~1 GB of checkpoints and dumps; keep logs and metrics
+        for sub in ("ckpt", "dumps"):
+            for v in d.values():
+                shutil.rmtree(os.path.join(v, sub), ignore_errors=True)
+        print("\n(checkpoints and dumps deleted; rerun with --keep to keep them)")
     print(f"\nreport: {report_path}")
     return 0 if report["passed"] else 1
 

@@ -39,7 +39,6 @@ import json
 import math
 import os
 import signal
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -262,8 +261,8 @@ def log0(*args) -> None:
         print("[train]", *args, flush=True)
 
 
-def gather_floats(x: float) -> list[float]:
-    """All ranks' value of ``x`` (collective), as a list indexed by rank."""
+def gather_all(x):
+    """All ranks' value of the picklable ``x`` (collective), as a list indexed by rank."""
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, x)
     return out
@@ -288,7 +287,7 @@ def time_torch_save(model: nn.Module, optim: torch.optim.Optimizer, sched, scrat
     """Seconds a plain synchronous checkpoint blocks this rank: take the sharded model
     and optimizer state dicts and ``torch.save`` them (+ scheduler state) to a private
     file (page cache, no fsync).  The file is deleted afterwards."""
-    path = os.path.join(scratch_dir, f"torch_save_rank{dist.get_rank()}.pt")
+    path = os.path.join(scratch_dir, f".torch_save_baseline_rank{dist.get_rank()}.pt")
     t0 = time.perf_counter()
     state = {
         "model": get_model_state_dict(model),
@@ -299,6 +298,13 @@ def time_torch_save(model: nn.Module, optim: torch.optim.Optimizer, sched, scrat
     elapsed = time.perf_counter() - t0
     os.remove(path)
     return elapsed
+
+
+def engine_timings(handle) -> dict[str, float]:
+    """The ``*_s`` fields of a save handle's stats (seconds), empty if it has none."""
+    stats = getattr(handle, "stats", None)
+    fields = vars(stats) if hasattr(stats, "__dict__") else {}
+    return {k: float(v) for k, v in fields.items() if k.endswith("_s") and isinstance(v, (int, float))}
 
 
 def write_json(path: str, obj: dict) -> None:
@@ -378,7 +384,7 @@ def main() -> None:
     def dump(name: str, step: int) -> None:
         if args.dump_dir:
             extra = {"step": step, "sched": sched.state_dict(),
-                     "data_next_global_sample": gather_floats(cursor.next_sample)[0]}
+                     "data_next_global_sample": gather_all(cursor.next_sample)[0]}
             secs = dump_full_state(os.path.join(args.dump_dir, name), model, optim, extra)
             log0(f"dumped full state {name} ({secs:.2f} s)")
 
@@ -396,11 +402,10 @@ def main() -> None:
         else:
             log0("no committed checkpoint found, starting from scratch")
 
-    # Scratch dir for the torch.save baseline, on the same file system as the checkpoints.
-    parent = os.path.dirname(os.path.abspath(args.root))
-    os.makedirs(parent, exist_ok=True)
-    scratch = tempfile.mkdtemp(prefix=f"torch_save_rank{rank}_", dir=parent)
-    n_ckpt = 0
+    # The torch.save baseline writes next to the checkpoint root (same file system).
+    scratch = os.path.dirname(os.path.abspath(args.root))
+    os.makedirs(scratch, exist_ok=True)
+    n_ckpt, handles = 0, []
     for step in range(start + 1, args.steps + 1):
         # Sanity: the data position is a function of the global step only.
         assert cursor.next_sample == (step - 1) * args.batch + rank * cursor.local_batch
@@ -429,19 +434,17 @@ def main() -> None:
             if args.torch_save_every and (n_ckpt - 1) % args.torch_save_every == 0:
                 dist.barrier()
                 rec["torch_save_ms_per_rank"] = [1e3 * s for s in
-                                                 gather_floats(time_torch_save(model, optim, sched, scratch))]
+                                                 gather_all(time_torch_save(model, optim, sched, scratch))]
             dist.barrier()
             t0 = time.perf_counter()
             handle = ckpt.save(step, state)
             stall = time.perf_counter() - t0
-            engine_stall = getattr(getattr(handle, "stats", None), "stall_s", None)
             if args.kill_at_step == step:
                 dist.barrier()  # every rank's save() has returned; the write is in flight
                 log0(f"SIGKILL at step {step} while its checkpoint is being written")
                 os.kill(os.getpid(), signal.SIGKILL)
-            rec["stall_ms_per_rank"] = [1e3 * s for s in gather_floats(stall)]
-            if engine_stall is not None:
-                rec["engine_stall_ms_per_rank"] = [1e3 * s for s in gather_floats(engine_stall)]
+            rec["stall_ms_per_rank"] = [1e3 * s for s in gather_all(stall)]
+            handles.append(handle)
             metrics["saves"].append(rec)
             ts = rec.get("torch_save_ms_per_rank")
             log0(f"checkpoint step {step}: save() blocked {max(rec['stall_ms_per_rank']):.1f} ms (max over ranks)"
@@ -452,12 +455,16 @@ def main() -> None:
     t0 = time.perf_counter()
     ckpt.wait()
     metrics["final_wait_s"] = time.perf_counter() - t0
+    # The engine's own per-save timings (plan / stage / write / commit ...), now that all are done.
+    all_ranks = gather_all([engine_timings(h) for h in handles])  # [rank][save] -> {name: s}
+    for i, rec in enumerate(metrics["saves"]):
+        names = all_ranks[0][i].keys()
+        rec["engine_ms_per_rank"] = {n: [1e3 * r[i][n] for r in all_ranks] for n in names}
     metrics["latest_step"] = ckpt.latest_step()
     ckpt.close()
     metrics["final_step"] = args.steps
     if rank == 0 and args.metrics:
         write_json(args.metrics, metrics)
-    os.rmdir(scratch)
     dist.barrier()
     dist.destroy_process_group()
 

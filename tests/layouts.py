@@ -95,4 +95,4 @@ def empty_like_layout(name: str, layout: str):
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Reinterpret as integers so that comparisons are bitwise (NaN-safe, fp8-safe)."""
     t = t.contiguous()
-    return t.view(torch.uint8) if t.numel() else t.to(torch.float32)
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1).to(torch.float32)

@@ -1,0 +1,165 @@
+"""Worker functions for test_dist_semantics.py (run on every rank of a DistPool)."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import unickpt
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 33), nn.ReLU(), nn.Linear(33, 7), nn.LayerNorm(7))
+
+
+def _fsdp2(model: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _train(model, optim, steps: int, seed: int) -> float:
+    loss = torch.tensor(0.0)
+    for i in range(steps):
+        g = torch.Generator().manual_seed(seed + i)
+        x = torch.randn(16, 12, generator=g)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+    return loss.item()
+
+
+def _full_state(model, optim) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    flat = {f"model.{k}": v for k, v in msd.items()}
+    for fqn, st in osd.get("state", {}).items():  # cpu_offload: only rank 0 gets the full state
+        for k, v in st.items():
+            flat[f"optim.{fqn}.{k}"] = v
+    return {k: v.clone() for k, v in flat.items()}
+
+
+def fsdp2_save(path: str) -> dict:
+    model = _fsdp2(_mlp())
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
+    _train(model, optim, 3, seed=10)
+    sched.step()
+    handle = unickpt.save(path, {"model": model, "optim": optim, "sched": sched, "step": 3}, async_save=True)
+    full = _full_state(model, optim)  # gathered while the save drains in the background
+    # train on: nothing after the save's return may reach the checkpoint
+    _train(model, optim, 1, seed=99)
+    handle.wait()
+    return {"full": full if dist.get_rank() == 0 else None, "stall_s": handle.stats.stall_s}
+
+
+def fsdp2_load(path: str) -> dict:
+    model = _fsdp2(_mlp())
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
+    state = {"model": model, "optim": optim, "sched": sched, "step": 0}
+    unickpt.load(path, state)
+    full = _full_state(model, optim)
+    loss = _train(model, optim, 1, seed=50)  # the loaded optimizer state is usable
+    return {"full": full if dist.get_rank() == 0 else None, "step": state["step"],
+            "last_epoch": sched.last_epoch, "lr": optim.param_groups[0]["lr"], "loss": loss}
+
+
+def ddp_save(path: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_mlp())
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, optim, 2, seed=1)
+    unickpt.save(path, {"model": model, "optim": optim})
+
+
+def plain_load(path: str) -> dict:
+    model = _mlp()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    unickpt.load(path, {"model": model, "optim": optim})
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def data_file_sizes(path: str) -> dict:
+    d = os.path.join(path, "data")
+    return {f: os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)}
+
+
+def failing_write(path: str, fail_rank: int) -> str:
+    from unickpt.storage import Storage
+
+    original = Storage.write_file
+
+    def broken(self, p, buffers):
+        raise OSError(5, f"injected I/O error on rank {dist.get_rank()}")
+
+    if dist.get_rank() == fail_rank:
+        Storage.write_file = broken
+    try:
+        rank, ws = dist.get_rank(), dist.get_world_size()
+        shard = unickpt.Shard(torch.full((1000,), float(rank)), (1000 * ws,), offsets=(1000 * rank,))
+        handle = unickpt.save(path, {"w": shard}, async_save=True)
+        try:
+            handle.wait()
+        except unickpt.SaveFailedError as e:
+            return f"{sorted(e.failures)}|{e}"
+        return "no error"
+    finally:
+        Storage.write_file = original
+
+
+def disagreeing_dtypes(path: str) -> str:
+    dtype = torch.float32 if dist.get_rank() == 0 else torch.float16
+    try:
+        unickpt.save(path, {"w": torch.zeros(4, dtype=dtype)})
+    except unickpt.StateMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def per_rank_save(path: str) -> float:
+    torch.manual_seed(100 + dist.get_rank())
+    state = {"rng": unickpt.RNGState(), "cursor": unickpt.PerRank({"pos": 10 * dist.get_rank()})}
+    unickpt.save(path, state)
+    return torch.rand(1).item()  # the next draw each rank must reproduce after loading
+
+
+def per_rank_load(path: str, with_reshard: bool) -> dict:
+    def merge(states, rank, world_size):
+        return {"pos": sum(s["pos"] for s in states) + rank, "from": len(states)}
+
+    torch.manual_seed(7)
+    state = {"rng": unickpt.RNGState(reshard=(lambda states, rank, ws: states[rank % len(states)]) if with_reshard else None),
+             "cursor": unickpt.PerRank(None, reshard=merge if with_reshard else None)}
+    try:
+        unickpt.load(path, state)
+    except unickpt.PerRankReshardError as e:
+        return {"error": str(e)}
+    return {"draw": torch.rand(1).item(), "cursor": state["cursor"].value}
+
+
+def checkpointer_run(root: str) -> dict:
+    ckpt = unickpt.Checkpointer(root, keep_last=2, async_save=True)
+    w = torch.zeros(64)
+    handles = []
+    for step in range(5):
+        w.fill_(step * 10 + dist.get_rank())  # per-rank values: a DTensor-free way to see who wrote what
+        handles.append(ckpt.save(step, {"w": unickpt.Shard(w, (64 * dist.get_world_size(),),
+                                                            offsets=(64 * dist.get_rank(),))}))
+    ckpt.wait()
+    assert all(h.done() and h.stats.committed for h in handles)
+    out = torch.zeros(64)
+    step = ckpt.load({"w": unickpt.Shard(out, (64 * dist.get_world_size(),), offsets=(64 * dist.get_rank(),))})
+    stalls = [h.stats.stall_s for h in handles]
+    return {"step": step, "value": out[0].item(), "listing": sorted(os.listdir(root)), "stalls": stalls}

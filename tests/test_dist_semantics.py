@@ -1,0 +1,81 @@
+"""Multi-process behaviour on real gloo groups: FSDP2 and DDP models with optimizers resharded,
+per-rank state, collective failure reporting, the Checkpointer with async saves."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import dist_workers as w
+
+
+@pytest.fixture(scope="module")
+def fsdp2_ckpt(pool, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("fsdp2") / "ckpt")
+    results = pool(4).run(w.fsdp2_save, path)
+    return path, results[0]["full"]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_fsdp2_model_and_optimizer_reshard_bitwise(pool, fsdp2_ckpt, m):
+    path, full = fsdp2_ckpt
+    results = pool(m).run(w.fsdp2_load, path)
+    got = results[0]["full"]
+    assert got.keys() == full.keys() and len(full) == 6 + 6 * 2 + 6  # params, exp_avg(_sq), step per param
+    for k in full:
+        assert got[k].dtype == full[k].dtype and torch.equal(got[k], full[k]), k
+    for r in results:
+        assert r["step"] == 3 and r["last_epoch"] == 1 and r["lr"] == pytest.approx(1e-2 / 2)
+        assert r["loss"] == results[0]["loss"]  # all ranks agree after a step on the loaded state
+
+
+def test_ddp_save_loads_into_plain_model(pool, tmp_path):
+    path = str(tmp_path / "ddp")
+    pool(2).run(w.ddp_save, path)
+    meta = json.load(open(os.path.join(path, "metadata.json")))
+    assert "model.0.weight" in meta["tensors"]  # DDP's "module." prefix is gone
+    sizes = pool(1).run(w.data_file_sizes, path)[0]
+    assert sorted(sizes) == ["0_0.bin", "1_0.bin"]  # replicated bytes spread over both ranks
+    total = sum(t.numel() * 4 for t in w._mlp().state_dict().values()) * 2  # params + momentum
+    assert sum(sizes.values()) == total and max(sizes.values()) < 0.75 * total
+    [loaded] = pool(1).run(w.plain_load, path)
+    assert set(loaded) == set(w._mlp().state_dict())
+
+
+@pytest.mark.parametrize("fail_rank", [0, 1])
+def test_one_rank_failing_fails_the_save_everywhere(pool, tmp_path, fail_rank):
+    path = str(tmp_path / "c")
+    results = pool(2).run(w.failing_write, path, fail_rank)
+    for r in results:
+        assert r.startswith(f"[{fail_rank}]|"), r
+        assert f"injected I/O error on rank {fail_rank}" in r
+    assert not os.path.exists(os.path.join(path, "metadata.json"))
+
+
+def test_ranks_disagreeing_on_dtype_is_an_error(pool, tmp_path):
+    results = pool(2).run(w.disagreeing_dtypes, str(tmp_path / "c"))
+    for r in results:
+        assert "'w': rank 0 has dtype float32 shape [4], rank 1 has dtype float16 shape [4]" in r
+
+
+def test_per_rank_state_same_and_other_world_size(pool, tmp_path):
+    path = str(tmp_path / "c")
+    draws = pool(2).run(w.per_rank_save, path)
+    same = pool(2).run(w.per_rank_load, path, False)
+    assert [r["draw"] for r in same] == draws and [r["cursor"] for r in same] == [{"pos": 0}, {"pos": 10}]
+    errs = pool(3).run(w.per_rank_load, path, False)
+    assert all("saved by 2 ranks and is being loaded by 3" in r["error"] for r in errs)
+    resharded = pool(3).run(w.per_rank_load, path, True)
+    assert [r["draw"] for r in resharded] == [draws[0], draws[1], draws[0]]
+    assert [r["cursor"] for r in resharded] == [{"pos": 10 + r, "from": 2} for r in range(3)]
+
+
+def test_checkpointer_async_retention_on_two_ranks(pool, tmp_path):
+    root = str(tmp_path / "run")
+    results = pool(2).run(w.checkpointer_run, root)
+    for rank, r in enumerate(results):
+        assert r["step"] == 4 and r["value"] == 40 + rank
+        assert r["listing"] == ["latest", "step_3", "step_4"]
+    assert open(os.path.join(root, "latest")).read() == "step_4"

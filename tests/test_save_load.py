@@ -1,0 +1,239 @@
+"""Save/load semantics in one process (a world of one): dtypes, views, aliases, async snapshot,
+commit rules, Checkpointer retention, and every error case."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import unickpt
+from unickpt import Checkpointer
+
+FLOAT_DTYPES = [d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn,
+                            torch.float8_e5m2, getattr(torch, "float8_e4m3fnuz", None),
+                            getattr(torch, "float8_e5m2fnuz", None), getattr(torch, "float8_e8m0fnu", None))
+                if d is not None]
+OTHER_DTYPES = [torch.complex64, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
+
+
+def _bits(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _rand(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=dtype)
+    if not dtype.is_floating_point:
+        return torch.randint(0, 100, shape, generator=g).to(dtype)
+    return (torch.randn(shape, generator=g) * 4).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + OTHER_DTYPES, ids=str)
+def test_every_dtype_round_trips_bitwise(tmp_path, dtype):
+    state = {"x": _rand((3, 5), dtype), "scalar": _rand((), dtype, 1), "empty": torch.empty(0, 4, dtype=dtype)}
+    unickpt.save(tmp_path / "c", state)
+    out = {"x": torch.zeros(3, 5, dtype=dtype), "scalar": torch.zeros((), dtype=dtype), "empty": torch.empty(0, 4, dtype=dtype)}
+    unickpt.load(tmp_path / "c", out)
+    for k in state:
+        assert out[k].dtype == dtype and out[k].shape == state[k].shape
+        assert torch.equal(_bits(out[k]), _bits(state[k])), k
+
+
+def test_non_contiguous_view_writes_only_its_bytes(tmp_path):
+    base = torch.arange(100, dtype=torch.float32).reshape(10, 10)
+    view = base[2:5, ::3]  # 3 x 4, non-contiguous
+    unickpt.save(tmp_path / "c", {"v": view})
+    assert os.path.getsize(tmp_path / "c" / "data" / "0_0.bin") == 3 * 4 * 4
+    out = {"v": torch.zeros(3, 4)}
+    unickpt.load(tmp_path / "c", out)
+    assert torch.equal(out["v"], view)
+    # loading into a non-contiguous target fills just that view
+    target = torch.zeros(10, 10)
+    unickpt.load(tmp_path / "c", {"v": target[2:5, ::3]})
+    assert torch.equal(target[2:5, ::3], view) and target.sum() == view.sum()
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 4)
+        self.head = nn.Linear(4, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_tied_parameters_stored_once_and_retied(tmp_path):
+    torch.manual_seed(0)
+    model = Tied()
+    unickpt.save(tmp_path / "c", {"model": model})
+    meta = json.load(open(tmp_path / "c" / "metadata.json"))
+    assert meta["aliases"] == {"model.head.weight": "model.embed.weight"}
+    assert "model.head.weight" not in meta["tensors"]
+    assert os.path.getsize(tmp_path / "c" / "data" / "0_0.bin") == 11 * 4 * 4
+    fresh = Tied()
+    unickpt.load(tmp_path / "c", {"model": fresh})
+    assert fresh.head.weight is fresh.embed.weight
+    assert torch.equal(fresh.embed.weight, model.embed.weight)
+    # an untied target gets the same values in both tensors
+    untied = {"model.embed.weight": torch.zeros(11, 4), "model.head.weight": torch.zeros(11, 4)}
+    unickpt.load(tmp_path / "c", {"model": {"embed": {"weight": untied["model.embed.weight"]},
+                                            "head": {"weight": untied["model.head.weight"]}}})
+    assert torch.equal(untied["model.head.weight"], model.embed.weight.detach())
+
+
+def test_async_equals_sync_and_mutation_does_not_leak(tmp_path):
+    torch.manual_seed(0)
+    state = {"w": torch.randn(256, 256), "b": torch.randn(7).to(torch.bfloat16), "n": 3}
+    expected = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    unickpt.save(tmp_path / "sync", state)
+    handle = unickpt.save(tmp_path / "async", state, async_save=True)
+    state["w"].add_(1.0)  # like the optimizer step right after the save returns
+    state["b"].zero_()
+    handle.wait()
+    assert handle.done() and handle.stats.committed
+    data = lambda p: open(tmp_path / p / "data" / "0_0.bin", "rb").read()
+    assert data("sync") == data("async")
+    m_sync, m_async = (json.load(open(tmp_path / p / "metadata.json")) for p in ("sync", "async"))
+    assert m_sync["tensors"] == m_async["tensors"]
+    out = {"w": torch.zeros(256, 256), "b": torch.zeros(7, dtype=torch.bfloat16), "n": 0}
+    unickpt.load(tmp_path / "async", out)
+    assert torch.equal(out["w"], expected["w"]) and torch.equal(out["b"], expected["b"]) and out["n"] == 3
+
+
+def test_strict_errors_name_key_and_both_values(tmp_path):
+    unickpt.save(tmp_path / "c", {"w": torch.zeros(2, 3), "k": 1})
+    with pytest.raises(unickpt.StateMismatchError, match=r"'w': checkpoint has dtype float32 shape \[2, 3\], .* dtype float64 shape \[2, 3\]"):
+        unickpt.load(tmp_path / "c", {"w": torch.zeros(2, 3, dtype=torch.float64), "k": 0})
+    with pytest.raises(unickpt.StateMismatchError, match=r"'w': checkpoint has dtype float32 shape \[2, 3\], .* dtype float32 shape \[3, 2\]"):
+        unickpt.load(tmp_path / "c", {"w": torch.zeros(3, 2), "k": 0})
+    with pytest.raises(unickpt.StateMismatchError, match=r"missing from the checkpoint: 'extra'"):
+        unickpt.load(tmp_path / "c", {"w": torch.zeros(2, 3), "k": 0, "extra": torch.zeros(1)})
+    with pytest.raises(unickpt.StateMismatchError, match=r"in the checkpoint but not in the state: 'k'"):
+        unickpt.load(tmp_path / "c", {"w": torch.zeros(2, 3)})
+    with pytest.raises(unickpt.StateMismatchError, match=r"'k' \(checkpoint: object, state: tensor\)"):
+        unickpt.load(tmp_path / "c", {"w": torch.zeros(2, 3), "k": torch.zeros(1)})
+    # non-strict loads the common keys and leaves the rest alone
+    out = {"w": torch.ones(2, 3), "extra": torch.ones(1)}
+    unickpt.load(tmp_path / "c", out, strict=False)
+    assert out["w"].sum() == 0 and out["extra"].item() == 1
+
+
+def test_uncommitted_directory_is_never_loaded(tmp_path):
+    unickpt.save(tmp_path / "c", {"w": torch.ones(4)})
+    os.remove(tmp_path / "c" / "metadata.json")
+    with pytest.raises(unickpt.CheckpointNotFoundError, match="metadata.json is missing"):
+        unickpt.load(tmp_path / "c", {"w": torch.zeros(4)})
+
+
+def test_committed_checkpoint_is_never_overwritten(tmp_path):
+    unickpt.save(tmp_path / "c", {"w": torch.ones(4)})
+    before = open(tmp_path / "c" / "metadata.json").read()
+    with pytest.raises(unickpt.SaveFailedError, match="already holds a committed checkpoint"):
+        unickpt.save(tmp_path / "c", {"w": torch.zeros(4)})
+    assert open(tmp_path / "c" / "metadata.json").read() == before
+
+
+def test_unknown_format_version_is_rejected(tmp_path):
+    unickpt.save(tmp_path / "c", {"w": torch.ones(4)})
+    meta_path = tmp_path / "c" / "metadata.json"
+    meta = json.load(open(meta_path))
+    meta["format_version"] = 99
+    json.dump(meta, open(meta_path, "w"))
+    with pytest.raises(unickpt.FormatVersionError, match="format_version 99 is not supported .* reads version 1"):
+        unickpt.load(tmp_path / "c", {"w": torch.zeros(4)})
+
+
+def test_corrupt_and_truncated_data_are_detected(tmp_path):
+    unickpt.save(tmp_path / "c", {"w": torch.arange(64, dtype=torch.float32)})
+    data = tmp_path / "c" / "data" / "0_0.bin"
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(unickpt.IntegrityError, match="checksum"):
+        unickpt.load(tmp_path / "c", {"w": torch.zeros(64)})
+    data.write_bytes(bytes(raw[:100]))
+    with pytest.raises(unickpt.IntegrityError, match="truncated"):
+        unickpt.load(tmp_path / "c", {"w": torch.zeros(64)})
+
+
+class Config:
+    def __init__(self, lr):
+        self.lr = lr
+
+
+def test_arbitrary_objects_need_allow_pickle(tmp_path):
+    unickpt.save(tmp_path / "c", {"cfg": Config(0.1)})
+    out = {"cfg": None}
+    with pytest.raises(unickpt.UnsafeObjectError, match=r"'cfg'.*Config.*allow_pickle=True"):
+        unickpt.load(tmp_path / "c", out)
+    unickpt.load(tmp_path / "c", out, allow_pickle=True)
+    assert out["cfg"].lr == 0.1
+
+
+def test_per_rank_and_rng_state_restored(tmp_path):
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(1)
+    random.seed(2)
+    np.random.seed(3)
+    state = {"rng": unickpt.RNGState(), "cursor": unickpt.PerRank({"pos": 17})}
+    unickpt.save(tmp_path / "c", state)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(9), random.seed(9), np.random.seed(9)
+    out = {"rng": unickpt.RNGState(), "cursor": unickpt.PerRank(None)}
+    unickpt.load(tmp_path / "c", out)
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1] and np.random.rand() == expected[2]
+    assert out["cursor"].value == {"pos": 17}
+
+
+def test_checkpointer_latest_retention_and_crash_leftovers(tmp_path):
+    root = tmp_path / "run"
+    ckpt = Checkpointer(root, keep_last=2)
+    w = torch.zeros(8)
+    assert ckpt.load({"w": w}) is None and ckpt.latest_step() is None
+    for step in range(1, 5):
+        w.fill_(step)
+        ckpt.save(step * 10, {"w": w, "step": step})
+        if step == 2:
+            ckpt.wait()
+            os.makedirs(root / "step_25" / "data")  # a crashed save's leftovers
+    ckpt.wait()
+    assert sorted(os.listdir(root)) == ["latest", "step_30", "step_40"]
+    assert (root / "latest").read_text() == "step_40"
+    out = {"w": torch.zeros(8), "step": 0}
+    assert ckpt.load(out) == 40 and out["w"][0] == 4 and out["step"] == 4
+    assert ckpt.load(out, step=30) == 30 and out["w"][0] == 3
+    # an incomplete newer directory is ignored by latest_step and load
+    os.makedirs(root / "step_50" / "data")
+    assert ckpt.latest_step() == 40 and ckpt.load(out) == 40
+    listing = unickpt.list_checkpoints(str(root))
+    assert listing == [(30, True), (40, True), (50, False)]
+    ckpt.close()
+
+
+def test_failed_write_commits_nothing_and_keeps_previous(tmp_path, monkeypatch):
+    from unickpt.storage import Storage
+
+    root = tmp_path / "run"
+    ckpt = Checkpointer(root, keep_last=1)
+    ckpt.save(1, {"w": torch.ones(4)}).wait()
+
+    def broken(self, path, buffers):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Storage, "write_file", broken)
+    handle = ckpt.save(2, {"w": torch.full((4,), 2.0)})
+    with pytest.raises(unickpt.SaveFailedError, match=r"(?s)rank\(s\) \[0\].*No space left on device"):
+        handle.wait()
+    monkeypatch.undo()
+    assert not (root / "step_2" / "metadata.json").exists()
+    assert (root / "latest").read_text() == "step_1" and ckpt.latest_step() == 1
+    out = {"w": torch.zeros(4)}
+    assert ckpt.load(out) == 1 and out["w"].sum() == 4

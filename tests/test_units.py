@@ -1,0 +1,117 @@
+"""Pure functions: chunk geometry, tagged-JSON codec, global save planning."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from unickpt import codec
+from unickpt.errors import StateMismatchError, UnsafeObjectError
+from unickpt.planner import LocalPlan, make_global_plan
+from unickpt.resharding import Box, FlatRange, byte_runs, check_exact_cover, chunk_pieces, intersect
+
+
+@pytest.mark.parametrize("shape", [(7,), (4, 5), (3, 4, 5), (2, 1, 3, 2)])
+def test_flat_range_pieces_cover_exactly_that_range(shape):
+    total = math.prod(shape)
+    idx = torch.arange(total).reshape(shape)
+    for start, end in itertools.combinations(range(total + 1), 2):
+        pieces = chunk_pieces(FlatRange(start, end - start), shape)
+        assert len(pieces) <= 2 * len(shape) - 1
+        got = []
+        for p in pieces:
+            view = idx
+            for d, (o, l) in enumerate(zip(p.box.offsets, p.box.lengths)):
+                view = view.narrow(d, o, l)
+            assert p.elem_offset == len(got)
+            got += view.reshape(-1).tolist()
+        assert got == list(range(start, end))
+
+
+def test_intersect_and_byte_runs():
+    a, b = Box((0, 0), (4, 6)), Box((1, 2), (5, 2))
+    inter = intersect(a, b)
+    assert inter == Box((1, 2), (3, 2))
+    assert intersect(Box((0,), (2,)), Box((2,), (3,))) is None
+    # rows 1..3, cols 2..3 of a 4x6 float32 box: three 8-byte runs, 24 bytes apart
+    assert byte_runs(a, inter, 4) == [(32, 8), (56, 8), (80, 8)]
+    # full trailing dims merge into one run
+    assert byte_runs(a, Box((1, 0), (2, 6)), 2) == [(12, 24)]
+    assert byte_runs(Box((), ()), Box((), ()), 8) == [(0, 8)]
+
+
+def test_exact_cover_rejects_gaps_and_overlaps():
+    check_exact_cover("w", (4, 4), [Box((0, 0), (2, 4)), FlatRange(8, 8)])
+    with pytest.raises(ValueError, match="cover 12 of 16"):
+        check_exact_cover("w", (4, 4), [Box((0, 0), (2, 4)), FlatRange(8, 4)])
+    with pytest.raises(ValueError, match="overlap"):
+        check_exact_cover("w", (4, 4), [Box((0, 0), (3, 4)), FlatRange(8, 8)])
+    with pytest.raises(ValueError, match="outside"):
+        check_exact_cover("w", (4, 4), [Box((3, 0), (2, 4))])
+
+
+def test_codec_round_trip_keeps_types():
+    value = {
+        "ints": {1: "a", (2, 3): [4.5, float("inf")]},
+        "tuple": (1, (2, None), [True]),
+        "bytes": b"\x00\xff",
+        "set": {1, 2},
+        "frozen": frozenset({"x"}),
+        "complex": 1 + 2j,
+        "dtype": torch.bfloat16,
+        "size": torch.Size([2, 3]),
+        "device": torch.device("cpu"),
+        "tensor": torch.arange(6, dtype=torch.int16).reshape(2, 3),
+        "empty": torch.empty(0, 3),
+        "array": np.arange(5, dtype=np.uint32),
+        "np_scalar": np.float64(2.5),
+        "__tuple__": "a key that looks like a tag",
+    }
+    import json
+
+    back = codec.decode(json.loads(json.dumps(codec.encode(value))))
+    assert back.keys() == value.keys()
+    for k in value:
+        v, b = value[k], back[k]
+        if isinstance(v, torch.Tensor):
+            assert b.dtype == v.dtype and torch.equal(b, v)
+        elif isinstance(v, np.ndarray):
+            assert b.dtype == v.dtype and (b == v).all()
+        else:
+            assert b == v and type(b) is type(v), k
+
+
+class _Custom:
+    def __init__(self, x):
+        self.x = x
+
+
+def test_codec_pickle_only_with_opt_in():
+    enc = codec.encode({"obj": _Custom(3)})
+    with pytest.raises(UnsafeObjectError, match=r"'cfg'.*_Custom.*allow_pickle=True"):
+        codec.decode(enc, key="cfg")
+    assert codec.decode(enc, allow_pickle=True)["obj"].x == 3
+
+
+def _plan(rank, tensors, aliases=None):
+    return LocalPlan(rank=rank, tensors=tensors, aliases=aliases or {})
+
+
+def test_global_plan_dedups_replicas_and_balances():
+    full = Box((0, 0), (8, 8))
+    plans = [_plan(r, {f"w{i}": ("float32", (8, 8), full) for i in range(4)}) for r in range(4)]
+    plan = make_global_plan(plans)
+    assert len(plan.chunks) == 4  # each replicated tensor written once
+    assert plan.bytes_per_rank(4) == [256, 256, 256, 256]  # one tensor per rank
+
+
+def test_global_plan_rejects_disagreeing_ranks():
+    plans = [_plan(0, {"w": ("float32", (4,), Box((0,), (4,)))}), _plan(1, {"w": ("bfloat16", (4,), Box((0,), (4,)))})]
+    with pytest.raises(StateMismatchError, match=r"'w': rank 0 has dtype float32 shape \[4\], rank 1 has dtype bfloat16"):
+        make_global_plan(plans)
+    gap = [_plan(0, {"w": ("float32", (4,), Box((0,), (2,)))}), _plan(1, {"w": ("float32", (4,), None)})]
+    with pytest.raises(ValueError, match="cover 2 of 4"):
+        make_global_plan(gap)
