@@ -345,6 +345,8 @@ class Bench:
         per_rank = self.gather({"stall": t1 - t0, "total": t2 - t0, "info": info()})
         self.dist.barrier()
         bytes_on_disk = _du(path) if self.rank == 0 else 0
+        files = ({os.path.relpath(f, path): os.path.getsize(f) for f in _files_under(path)}
+                 if self.rank == 0 else {})
         old = self.last_dir.get(method)
         self.last_dir[method] = path
         if old is not None:  # keep only the newest checkpoint of each method (the load benchmark's)
@@ -352,15 +354,17 @@ class Bench:
         stall = max(r["stall"] for r in per_rank)
         total = max(r["total"] for r in per_rank)
         sample = {"stall_s": stall, "total_s": total, "bytes_on_disk": bytes_on_disk,
+                  "files_over_1mb": {f: n for f, n in sorted(files.items()) if n >= 1_000_000},
                   "stall_by_rank_ms": [round(r["stall"] * 1e3, 1) for r in per_rank],
                   "total_by_rank_ms": [round(r["total"] * 1e3, 1) for r in per_rank]}
         if per_rank[0]["info"]:  # unickpt's own per-phase stats
             keys = ("plan_s", "pool_wait_s", "stage_s", "write_s", "commit_s", "stall_s", "total_s")
             infos = [r["info"] for r in per_rank]
             sample["phases_max_s"] = {k: max(i[k] for i in infos) for k in keys}
-            # the rank that wrote longest: its commit_s is the real commit (others' include waiting for it)
-            slow = max(infos, key=lambda i: i["write_s"])
-            sample["phases_slowest_writer_s"] = {k: slow[k] for k in keys}
+            # the last rank to finish writing (stall + write: its drain starts when its call stages):
+            # its commit_s is the real commit; the others' include waiting for it in the all_gather
+            last = max(infos, key=lambda i: i["stall_s"] + i["write_s"])
+            sample["phases_last_writer_s"] = {k: last[k] for k in keys}
             sample["bytes_written_by_rank"] = [i["bytes_written"] for i in infos]
         if prof is not None:
             import io
@@ -452,7 +456,7 @@ def summarize(samples: list[dict], state_bytes: int) -> dict:
                    "stall_min_ms": round(min(s["stall_s"] for s in ss) * 1e3, 1),
                    "stall_max_ms": round(max(s["stall_s"] for s in ss) * 1e3, 1), **{k: v for k, v in out.items()
                                                                                      if k != "n"}}
-        for key in ("phases_max_s", "phases_slowest_writer_s"):
+        for key in ("phases_max_s", "phases_last_writer_s"):
             if key in ss[0]:
                 out["unickpt_" + key[:-2] + "_ms"] = {k: round(_median([s[key][k] for s in ss]) * 1e3, 1)
                                                     for k in ss[0][key]}
@@ -578,8 +582,9 @@ def worker(args: argparse.Namespace) -> None:
                     "Before timing, a process-wide warm-up saves a tiny state with every method (imports, "
                     "gloo connections, unickpt engines, DCP code paths); unickpt's staging pools stay tiny, so "
                     "its first timed save still allocates and pre-faults them ('first'). unickpt_* phases: "
-                    "'_max' = max over ranks per phase; '_slowest_writer' = the rank with the longest write "
-                    "(other ranks' commit_s includes waiting for it in the commit all_gather).",
+                    "'_max' = max over ranks per phase; '_last_writer' = the rank that finished writing last "
+                    "(largest stall + write; the other ranks' commit_s includes waiting for it in the commit "
+                    "all_gather).",
                     "--profile METHOD: cProfile of rank 0's calling thread (what the stall is made of) at "
                     "iteration 0 (counted in 'first', with the profiler's small overhead) and in one extra "
                     "steady iteration that is not counted. Background writer threads are not profiled.",
@@ -598,11 +603,12 @@ def worker(args: argparse.Namespace) -> None:
                     "(see loadavg).",
                 ],
                 "save": {m: {**summarize(ss, b.state_bytes), "bytes_on_disk": ss[-1]["bytes_on_disk"],
+                             "files_over_1mb": ss[-1]["files_over_1mb"],
                              **({"bytes_written_by_rank": ss[-1]["bytes_written_by_rank"]}
                                 if "bytes_written_by_rank" in ss[-1] else {}),
                              "samples": [{k: (round(v * 1e3, 1) if k.endswith("_s") else v)
                                           for k, v in s.items() if not k.startswith(("phases", "bytes_written",
-                                                                                     "profile"))}
+                                                                                     "profile", "files"))}
                                          for s in ss],
                              **({"profile_rank0_caller_thread": profiles[m]} if m in profiles else {})}
                          for m, ss in samples.items()},

@@ -329,6 +329,7 @@ def main() -> int:
         "loss_tolerance_note": "absolute, nats/byte; 2 vs 4 ranks differ only in float reduction order",
         "stall_ms_median": median_of_max(ref["saves"], "stall_ms_per_rank"),
         "torch_save_ms_median": median_of_max(ref["saves"], "torch_save_ms_per_rank"),
+        "state_dict_ms_median": median_of_max(ref["saves"], "state_dict_ms_per_rank"),
         "timing_note": ("per checkpoint of the reference run, slowest rank; stall = time ckpt.save() blocked "
                         "the training loop; torch_save = get sharded state dicts + torch.save to a local "
                         "file (page cache, no fsync) of the same state on each rank"),
@@ -372,6 +373,7 @@ def main() -> int:
             f"{fmt(report['engine_timings_ms_median'].get(n), '.1f')}" for n in ("plan_s", "stage_s", "total_s"))
             + " ms (total = call to commit)"),
         ("torch.save same state, median", f"{fmt(report['torch_save_ms_median'], '.1f')} ms"),
+        ("  of which get state dicts", f"{fmt(report['state_dict_ms_median'], '.1f')} ms"),
         ("final-state max |diff| (info)", fmt(final_state_diff, ".2e")),
         ("wall time", f"{total_wall:.1f} s (ref {wall_ref:.1f}, killed {wall_kill:.1f}, resumed {wall_res:.1f})"),
     ]

@@ -283,10 +283,12 @@ def dump_full_state(path: str, model: nn.Module, optim: torch.optim.Optimizer, e
     return time.perf_counter() - t0
 
 
-def time_torch_save(model: nn.Module, optim: torch.optim.Optimizer, sched, scratch_dir: str) -> float:
+def time_torch_save(model: nn.Module, optim: torch.optim.Optimizer, sched, scratch_dir: str) -> tuple[float, float]:
     """Seconds a plain synchronous checkpoint blocks this rank: take the sharded model
     and optimizer state dicts and ``torch.save`` them (+ scheduler state) to a private
-    file (page cache, no fsync).  The file is deleted afterwards."""
+    file (page cache, no fsync).  The file is deleted afterwards.
+
+    Returns (total seconds, of which getting the state dicts)."""
     path = os.path.join(scratch_dir, f".torch_save_baseline_rank{dist.get_rank()}.pt")
     t0 = time.perf_counter()
     state = {
@@ -294,10 +296,11 @@ def time_torch_save(model: nn.Module, optim: torch.optim.Optimizer, sched, scrat
         "optim": get_optimizer_state_dict(model, optim),
         "sched": sched.state_dict(),
     }
+    t1 = time.perf_counter()
     torch.save(state, path)
     elapsed = time.perf_counter() - t0
     os.remove(path)
-    return elapsed
+    return elapsed, t1 - t0
 
 
 def engine_timings(handle) -> dict[str, float]:
@@ -433,8 +436,9 @@ def main() -> None:
             rec = {"step": step}
             if args.torch_save_every and (n_ckpt - 1) % args.torch_save_every == 0:
                 dist.barrier()
-                rec["torch_save_ms_per_rank"] = [1e3 * s for s in
-                                                 gather_all(time_torch_save(model, optim, sched, scratch))]
+                per_rank = gather_all(time_torch_save(model, optim, sched, scratch))
+                rec["torch_save_ms_per_rank"] = [1e3 * total for total, _ in per_rank]
+                rec["state_dict_ms_per_rank"] = [1e3 * sd for _, sd in per_rank]
             dist.barrier()
             t0 = time.perf_counter()
             handle = ckpt.save(step, state)

@@ -1,0 +1,45 @@
+"""The ``unickpt`` command line: inspect and ls."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+
+import unickpt
+from unickpt.cli import main
+
+
+def test_inspect_and_ls(tmp_path, capsys):
+    root = tmp_path / "run"
+    ckpt = unickpt.Checkpointer(root, async_save=False)
+    ckpt.save(5, {"w": torch.zeros(100, 10), "b": torch.zeros(3, dtype=torch.bfloat16)})
+    os.makedirs(root / "step_9" / "data")
+    assert main(["inspect", str(root / "step_5")]) == 0
+    out = capsys.readouterr().out
+    assert "step 5" in out and '"world_size": 1' in out
+    assert any(line.split()[:4] == ["w", "float32", "100x10", "1"] and line.endswith("4.0 KB") for line in out.splitlines())
+    assert main(["ls", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:3] == ["step_5", "5", "committed"] and lines[1].endswith("<- latest")
+    assert lines[2].split()[:3] == ["step_9", "9", "INCOMPLETE"]
+    assert main(["ls", str(root), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["committed"], r["latest"]) for r in rows] == [(5, True, True), (9, False, False)]
+    assert rows[0]["bytes"] == os.path.getsize(root / "step_5" / "metadata.json") + 4006
+
+
+def test_inspect_incomplete_fails_clearly(tmp_path, capsys):
+    os.makedirs(tmp_path / "x")
+    assert main(["inspect", str(tmp_path / "x")]) == 1
+    assert "metadata.json is missing" in capsys.readouterr().err
+
+
+def test_console_script_installed(tmp_path):
+    exe = shutil.which("unickpt", path=os.path.dirname(sys.executable))
+    assert exe is not None
+    res = subprocess.run([exe, "ls", str(tmp_path)], capture_output=True, text=True)
+    assert res.returncode == 0 and "no checkpoints" in res.stdout
