@@ -8,7 +8,6 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
 	# torch first: on this kind of machine torch==2.13.0 is a local CPU build; a bare `torch`
 	# requirement would otherwise pull a multi-GB CUDA build.
 	$(VPY) -m pip install -q "torch==2.13.0" || $(VPY) -m pip install -q "torch>=2.4"

@@ -85,8 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="unique global state size in MB (1e6 B): params + AdamW state + replicated tensors")
     p.add_argument("--hidden", type=int, default=1024, help="width H of the Linear(H, H) layers")
     p.add_argument("--repeats", type=int, default=5, help="measured iterations per method after the warm-up one")
-    p.add_argument("--load-repeats", type=int, default=None, help="measured loads per method and cache state "
-                   "(default: --repeats)")
+    p.add_argument("--load-repeats", type=int, default=None,
+                   help="measured loads per method and cache state (None: --repeats)")
     p.add_argument("--methods", default=",".join(SAVE_METHODS), help="comma-separated save methods to run")
     p.add_argument("--no-load", action="store_true", help="skip the load benchmark")
     p.add_argument("--no-warmup", action="store_true",
@@ -494,8 +494,8 @@ def worker(args: argparse.Namespace) -> None:
     try:
         b = Bench(args, root)
         log(f"world {b.ws}, {b.layers} x Linear({args.hidden},{args.hidden}) FSDP2 + AdamW + replicated: "
-            f"unique state {b.state_bytes / 1e6:.1f} MB, per rank {[round(x / 1e6, 1) for x in b.local_bytes_by_rank]} MB"
-            f" -> checkpoints under {root}")
+            f"unique state {b.state_bytes / 1e6:.1f} MB, per rank "
+            f"{[round(x / 1e6, 1) for x in b.local_bytes_by_rank]} MB -> checkpoints under {root}")
         if not args.no_warmup:
             b.warmup()
             log("warm-up done (a tiny save with every method)")

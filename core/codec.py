@@ -17,11 +17,12 @@ import torch
 
 from .errors import UnsafeObjectError
 
-__all__ = ["encode", "decode", "dtype_to_str", "str_to_dtype", "TENSOR_REF", "PER_RANK_REF"]
+__all__ = ["encode", "decode", "dtype_to_str", "str_to_dtype", "TENSOR_REF", "PER_RANK_REF", "STATEFUL_REF"]
 
 TENSOR_REF = "__unickpt_tensor__"
 PER_RANK_REF = "__unickpt_per_rank__"
-_TAGS = {"__tuple__", "__dict__", "__bytes__", "__set__", "__frozenset__", "__complex__", "__dtype__",
+STATEFUL_REF = "__unickpt_stateful__"  # wraps the state dict of a module / optimizer / stateful object
+_TAGS = {STATEFUL_REF, "__tuple__", "__dict__", "__bytes__", "__set__", "__frozenset__", "__complex__", "__dtype__",
          "__size__", "__device__", "__tensor__", "__ndarray__", "__npscalar__", "__pickle__", TENSOR_REF, PER_RANK_REF}
 
 

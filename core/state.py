@@ -10,8 +10,9 @@ Leaves:
 - other objects with ``state_dict()`` / ``load_state_dict()``: expanded with ``state_dict()``;
 - anything else: a plain value (global: rank 0's copy is saved, every rank gets it back).
 
-Dicts are always descended into; lists and tuples only when they hold a tensor leaf. The fqn of a
-leaf joins the keys on its path with ``.``; two paths giving one fqn are an error.
+Containers (dicts, lists, tuples) are descended into only when they hold a tensor, per-rank or
+stateful leaf; a container of plain values is one leaf, replaced whole on load. The fqn of a leaf
+joins the keys on its path with ``.``; two paths giving one fqn are an error.
 """
 from __future__ import annotations
 
@@ -84,14 +85,15 @@ def _is_stateful(x: Any) -> bool:
     return callable(getattr(x, "state_dict", None)) and callable(getattr(x, "load_state_dict", None))
 
 
-def _has_tensor(x: Any) -> bool:
-    if _is_tensor_leaf(x) or isinstance(x, PerRank):
+def _has_special(x: Any) -> bool:
+    """True if ``x`` is or holds a leaf that is not a plain value (tensor, per-rank, stateful)."""
+    if _is_tensor_leaf(x) or isinstance(x, (PerRank, nn.Module, torch.optim.Optimizer)):
         return True
     if isinstance(x, dict):
-        return any(_has_tensor(v) for v in x.values())
+        return any(_has_special(v) for v in x.values())
     if isinstance(x, (list, tuple)):
-        return any(_has_tensor(v) for v in x)
-    return False
+        return any(_has_special(v) for v in x)
+    return _is_stateful(x)
 
 
 def _tensor_leaf(fqn: str, x: Any) -> TensorLeaf:
@@ -184,7 +186,7 @@ def flatten(state: dict, *, for_load: bool) -> FlatState:
             enc = walk(sd, path, holder, 0)
             if for_load:
                 out.appliers.append(lambda h=holder, f=load_fn: f(h[0]))
-            return enc
+            return {codec.STATEFUL_REF: enc}
         if isinstance(x, PerRank):
             claim(fqn, path)
             out.per_rank[fqn] = x
@@ -199,10 +201,10 @@ def flatten(state: dict, *, for_load: bool) -> FlatState:
                 seen_alias[akey] = fqn
             out.tensors[fqn] = leaf
             return {codec.TENSOR_REF: fqn}
-        if isinstance(x, dict):
+        if isinstance(x, dict) and (not path or _has_special(x)):
             items = [(k, walk(v, path + (k,), x, k)) for k, v in x.items()]
             return _encode_key_dict(x, items)
-        if isinstance(x, (list, tuple)) and _has_tensor(x):
+        if isinstance(x, (list, tuple)) and _has_special(x):
             enc = [walk(v, path + (i,), x, i) for i, v in enumerate(x)]
             return enc if isinstance(x, list) else {"__tuple__": enc}
         if not path:
@@ -218,8 +220,7 @@ def flatten(state: dict, *, for_load: bool) -> FlatState:
 def saved_leaves(skeleton: Any) -> tuple[set[str], set[str], dict[str, Any]]:
     """Walk a saved (encoded) skeleton: ``(tensor fqns, per-rank fqns, {object fqn: encoded value})``.
 
-    Mirrors :func:`flatten`: dicts are descended into, lists and tuples only when they hold a
-    reference.
+    Mirrors :func:`flatten`: containers are descended into only when they hold a reference.
     """
     tensors: set[str] = set()
     per_rank: set[str] = set()
@@ -227,7 +228,7 @@ def saved_leaves(skeleton: Any) -> tuple[set[str], set[str], dict[str, Any]]:
 
     def has_ref(e: Any) -> bool:
         if isinstance(e, dict):
-            if codec.TENSOR_REF in e or codec.PER_RANK_REF in e:
+            if codec.TENSOR_REF in e or codec.PER_RANK_REF in e or codec.STATEFUL_REF in e:
                 return True
             return any(has_ref(v) for v in e.values())
         if isinstance(e, list):
@@ -244,7 +245,10 @@ def saved_leaves(skeleton: Any) -> tuple[set[str], set[str], dict[str, Any]]:
             if tag == codec.PER_RANK_REF:
                 per_rank.add(body)
                 return
-            if tag == "__dict__":
+            if tag == codec.STATEFUL_REF:
+                walk(body, path)
+                return
+            if tag == "__dict__" and has_ref(body):
                 for k, v in body:
                     walk(v, path + (codec.decode(k),))
                 return
@@ -255,7 +259,7 @@ def saved_leaves(skeleton: Any) -> tuple[set[str], set[str], dict[str, Any]]:
             if tag in codec._TAGS:
                 objects[fqn] = e
                 return
-        if isinstance(e, dict):
+        if isinstance(e, dict) and (not path or has_ref(e)):
             for k, v in e.items():
                 walk(v, path + (k,))
             return

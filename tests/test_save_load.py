@@ -237,3 +237,21 @@ def test_failed_write_commits_nothing_and_keeps_previous(tmp_path, monkeypatch):
     assert (root / "latest").read_text() == "step_1" and ckpt.latest_step() == 1
     out = {"w": torch.zeros(4)}
     assert ckpt.load(out) == 1 and out["w"].sum() == 4
+
+
+def test_plain_containers_replaced_whole_and_nested_statefuls(tmp_path):
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    opt.step(), sched.step()
+    state = {"train": {"sched": sched, "epoch": 3, "hist": [1.5, 2.5]}, "cfg": {"lr": 0.5, 1: (2, 3)}, "model": model}
+    unickpt.save(tmp_path / "c", state)
+    model2 = nn.Linear(3, 2)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.5)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
+    out = {"train": {"sched": sched2, "epoch": 0, "hist": None}, "cfg": None, "model": model2}
+    unickpt.load(tmp_path / "c", out)
+    assert out["train"]["sched"] is sched2 and sched2.last_epoch == 1 and sched2.get_last_lr() == [0.25]
+    assert out["train"]["epoch"] == 3 and out["train"]["hist"] == [1.5, 2.5]
+    assert out["cfg"] == {"lr": 0.5, 1: (2, 3)}
+    assert torch.equal(model2.weight, model.weight)
