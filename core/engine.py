@@ -36,7 +36,7 @@ from .errors import (CheckpointExistsError, PerRankReshardError, SaveFailedError
                      UnickptError)
 from .loading import LoadStats, load_tensor
 from .metadata import METADATA_FILE, ChunkMeta, CheckpointMetadata, TensorMeta, checksum, read_metadata
-from .planner import GlobalPlan, LocalPlan, make_global_plan, make_local_plan
+from .planner import GlobalPlan, LocalPlan, _spec_key, make_global_plan, make_local_plan
 from .resharding import FlatRange
 from .staging import StagingPool
 from .state import check_leaf_fits, flatten, saved_leaves
@@ -93,6 +93,16 @@ class SaveHandle:
             if not isinstance(e, TimeoutError):
                 self.error_reported = True
             raise
+
+
+def _local_part(leaf: Any, spec: Any) -> torch.Tensor:
+    """The part of ``leaf.local`` holding ``spec`` (a planner may split a replicated box into rows)."""
+    if spec == leaf.spec:
+        return leaf.local
+    t = leaf.local
+    for d, (o, lo, n) in enumerate(zip(spec.offsets, leaf.spec.offsets, spec.lengths)):
+        t = t.narrow(d, o - lo, n)
+    return t
 
 
 def _format_exc(e: BaseException) -> str:
@@ -165,7 +175,7 @@ class Engine:
             job.pool, stats.pool_wait_s = self._acquire_pool()
             t_stage = time.perf_counter()
             mine = plan.writes_for(self.rank)
-            layout = job.pool.stage([flat.tensors[c.fqn].local for c in mine])
+            layout = job.pool.stage([_local_part(flat.tensors[c.fqn], c.spec) for c in mine])
             job.staged = list(zip(mine, layout))
             stats.bytes_staged = sum(c.nbytes for c in mine)
             if flat.per_rank:
@@ -273,7 +283,7 @@ class Engine:
             for fqn, spec, rel, offset, nbytes, digest in rank_records["chunks"]:
                 chunks[fqn].append(ChunkMeta(spec, rel, offset, nbytes, digest))
         tensors = {
-            fqn: TensorMeta(dtype, shape, tuple(sorted(chunks[fqn], key=lambda c: str(c.spec))))
+            fqn: TensorMeta(dtype, shape, tuple(sorted(chunks[fqn], key=lambda c: _spec_key(c.spec))))
             for fqn, (dtype, shape) in job.plan.tensors.items()
         }
         per_rank_fqns = sorted({f for p in job.plans for f in p.per_rank_fqns})

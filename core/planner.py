@@ -6,18 +6,43 @@ one collective. Replicas (the same fqn and the same box or flat range on several
 parallel copies, replicated tensors, DTensor ``Replicate`` dims) are written once; each unique chunk
 goes to the holder with the fewest bytes assigned so far (largest chunks first), which balances
 replicated bytes over their holders instead of piling them on rank 0 (the imbalance reported in
-pytorch/pytorch#125740).
+pytorch/pytorch#125740). Chunks with a single holder are counted first, and replicated boxes of
+at least :data:`SPLIT_MIN_BYTES` are split into row blocks across their holders.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .codec import dtype_to_str
+from .codec import dtype_to_str, str_to_dtype
 from .errors import StateMismatchError
-from .resharding import ChunkSpec, check_exact_cover
+from .resharding import Box, ChunkSpec, check_exact_cover
 from .state import FlatState
 
-__all__ = ["LocalPlan", "PlannedChunk", "GlobalPlan", "make_local_plan", "make_global_plan"]
+__all__ = ["LocalPlan", "PlannedChunk", "GlobalPlan", "make_local_plan", "make_global_plan", "SPLIT_MIN_BYTES"]
+
+SPLIT_MIN_BYTES = 1 << 20
+"""A replicated box of at least this many bytes is split along dim 0 into one part per holder, so
+that one large replicated tensor does not make a single rank write much more than the others."""
+
+
+def _spec_key(spec: ChunkSpec) -> tuple:
+    return (0, spec.offsets, spec.lengths) if isinstance(spec, Box) else (1, (spec.start,), (spec.length,))
+
+
+def _split_replica(spec: ChunkSpec, nbytes: int, holders: int) -> list[tuple[int, ChunkSpec]]:
+    """``[(bytes, part)]``: the chunk whole, or split into row blocks when large and replicated."""
+    if not isinstance(spec, Box) or not spec.lengths or nbytes < SPLIT_MIN_BYTES or spec.lengths[0] < 2:
+        return [(nbytes, spec)]
+    rows = spec.lengths[0]
+    parts = min(holders, rows)
+    row_bytes = nbytes // rows
+    out, start = [], 0
+    for i in range(parts):
+        n = rows // parts + (1 if i < rows % parts else 0)
+        offsets = (spec.offsets[0] + start,) + spec.offsets[1:]
+        out.append((n * row_bytes, Box(offsets, (n,) + spec.lengths[1:])))
+        start += n
+    return out
 
 
 @dataclass
@@ -99,13 +124,18 @@ def make_global_plan(plans: list[LocalPlan]) -> GlobalPlan:
     for fqn, specs in by_fqn.items():
         check_exact_cover(fqn, tensors[fqn][1], specs)
 
-    from .codec import str_to_dtype
-
     load: dict[int, int] = {}
-    chunks = []
-    sized = [(spec.numel * str_to_dtype(tensors[fqn][0]).itemsize, fqn, spec, ranks) for fqn, spec, ranks in unique]
-    sized.sort(key=lambda s: (-s[0], s[1], str(s[2])))
-    for nbytes, fqn, spec, ranks in sized:
+    chunks: list[PlannedChunk] = []
+    replicated = []
+    for fqn, spec, ranks in unique:
+        nbytes = spec.numel * str_to_dtype(tensors[fqn][0]).itemsize
+        if len(ranks) == 1:  # fixed writer: count these first so replicas go to the least-loaded holders
+            load[ranks[0]] = load.get(ranks[0], 0) + nbytes
+            chunks.append(PlannedChunk(fqn, spec, nbytes, ranks[0]))
+        else:
+            replicated += [(n, fqn, part, ranks) for n, part in _split_replica(spec, nbytes, len(ranks))]
+    replicated.sort(key=lambda s: (-s[0], s[1], _spec_key(s[2])))
+    for nbytes, fqn, spec, ranks in replicated:
         writer = min(ranks, key=lambda r: (load.get(r, 0), r))
         load[writer] = load.get(writer, 0) + nbytes
         chunks.append(PlannedChunk(fqn, spec, nbytes, writer))

@@ -1,7 +1,7 @@
 """Staging: the snapshot copy into pre-allocated host memory, the only part of a save that blocks.
 
-A :class:`StagingPool` owns one flat ``uint8`` host buffer, pre-faulted (touched) when allocated so
-that later copies do not page-fault, and pinned when CUDA tensors are staged (so D2H copies are
+A :class:`StagingPool` owns one flat ``uint8`` host buffer, kept across saves so that only the first
+save pays for page faults (copies into fresh memory are several times slower), and pinned when CUDA tensors are staged (so D2H copies are
 DMA, not pageable). It is reused across saves and grows only when a save needs more. The engine
 keeps two pools (ping-pong): a save stages into a free one while the previous save drains the
 other.
@@ -52,9 +52,9 @@ class StagingPool:
             return
         self._buf = None
         size = max(_align(nbytes), ALIGN_BYTES)
-        buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
-        buf.zero_()  # pre-fault every page now, not during the next (timed) copy
-        self._buf, self.pinned = buf, pin
+        # No zero-fill: the first copy faults the pages in (filling first would write them twice);
+        # every later save copies into memory that is already resident.
+        self._buf, self.pinned = torch.empty(size, dtype=torch.uint8, pin_memory=pin), pin
 
     def view(self, staged: StagedChunk) -> torch.Tensor:
         """The staged bytes as a ``uint8`` tensor (shares memory with the pool)."""

@@ -16,6 +16,7 @@ joins the keys on its path with ``.``; two paths giving one fqn are an error.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -65,8 +66,14 @@ def dtensor_box(dt: Any, fqn: str) -> Box:
                 f"{fqn!r}: DTensor placement {p} is not supported (expected Shard(d) or Replicate; "
                 "reduce Partial placements before saving)"
             )
-    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-    return Box(tuple(int(o) for o in offset), tuple(int(n) for n in shape))
+    return _dtensor_box(tuple(dt.shape), dt.device_mesh, tuple(dt.placements), compute_local_shape_and_global_offset)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dtensor_box(shape: tuple, mesh: Any, placements: tuple, compute: Callable) -> Box:
+    # cached: the computation costs ~0.2 ms per DTensor and is the same for every save of a layout
+    local_shape, offset = compute(shape, mesh, placements)
+    return Box(tuple(int(o) for o in offset), tuple(int(n) for n in local_shape))
 
 
 def _is_dtensor(x: Any) -> bool:

@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -65,21 +66,32 @@ def torchrun(name: str, nproc: int, train_args: list[str], log_path: str, timeou
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
+        timed_out = threading.Event()
+
+        def kill_group() -> None:  # torchrun and its workers: their own session / process group
+            timed_out.set()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        watchdog = threading.Timer(timeout_s, kill_group)
+        watchdog.start()
         try:
             for line in proc.stdout:
                 log.write(line)
                 if line.startswith("[train]"):
                     print(f"  {name:>9} {line[8:]}", end="", flush=True)
-                if time.perf_counter() - t0 > timeout_s:
-                    raise TimeoutError
-            rc = proc.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
-        except (TimeoutError, subprocess.TimeoutExpired, KeyboardInterrupt) as e:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers (own session)
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            kill_group()
             proc.wait()
-            if isinstance(e, KeyboardInterrupt):
-                raise
-            print(f"  {name}: timed out after {timeout_s:.0f} s", flush=True)
-            rc = -9
+            raise
+        finally:
+            watchdog.cancel()
+    if timed_out.is_set():
+        print(f"  {name}: timed out after {timeout_s:.0f} s, killed", flush=True)
+        rc = -9
     wall = time.perf_counter() - t0
     print(f"  {name}: torchrun exit code {rc}, {wall:.1f} s", flush=True)
     return rc, wall
@@ -138,7 +150,7 @@ def median_of_max(saves: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def max_abs_diff(a: dict, b: dict) -> float | None:
+def max_abs_diff(a, b) -> float | None:
     """Largest |a - b| over the floating-point tensors both nested states hold at the same path."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.shape != b.shape or not a.is_floating_point():
@@ -154,7 +166,8 @@ def max_abs_diff(a: dict, b: dict) -> float | None:
 def engine_breakdown(saves: list[dict]) -> dict[str, float]:
     """Median over checkpoints of the slowest rank's engine timing, per timing name (ms)."""
     names = {n for s in saves for n in s.get("engine_ms_per_rank", {})}
-    return {n: statistics.median(max(s["engine_ms_per_rank"][n]) for s in saves if n in s.get("engine_ms_per_rank", {}))
+    return {n: statistics.median([max(s["engine_ms_per_rank"][n]) for s in saves
+                                  if n in s.get("engine_ms_per_rank", {})])
             for n in sorted(names)}
 
 

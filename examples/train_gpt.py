@@ -342,7 +342,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     for f, default in asdict(GPTConfig()).items():
         p.add_argument("--" + f.replace("_", "-"), type=int, default=default)
-    return p.parse_args()
+    args = p.parse_args()
+    if args.kill_at_step is not None and (not args.ckpt_every or args.kill_at_step % args.ckpt_every):
+        p.error("--kill-at-step must be a multiple of --ckpt-every")
+    return args
 
 
 def main() -> None:
@@ -386,8 +389,8 @@ def main() -> None:
 
     def dump(name: str, step: int) -> None:
         if args.dump_dir:
-            extra = {"step": step, "sched": sched.state_dict(),
-                     "data_next_global_sample": gather_all(cursor.next_sample)[0]}
+            # Rank 0's cursor is the first sample of the next global batch on any world size.
+            extra = {"step": step, "sched": sched.state_dict(), "data_next_global_sample": cursor.next_sample}
             secs = dump_full_state(os.path.join(args.dump_dir, name), model, optim, extra)
             log0(f"dumped full state {name} ({secs:.2f} s)")
 

@@ -115,3 +115,20 @@ def test_global_plan_rejects_disagreeing_ranks():
     gap = [_plan(0, {"w": ("float32", (4,), Box((0,), (2,)))}), _plan(1, {"w": ("float32", (4,), None)})]
     with pytest.raises(ValueError, match="cover 2 of 4"):
         make_global_plan(gap)
+
+
+def test_large_replicated_tensor_is_split_across_holders():
+    big = Box((0, 0), (1024, 512))  # 2 MiB of float32, held by all 4 ranks
+    plan = make_global_plan([_plan(r, {"big": ("float32", (1024, 512), big)}) for r in range(4)])
+    assert sorted(c.writer for c in plan.chunks) == [0, 1, 2, 3]
+    assert sorted(c.spec.offsets[0] for c in plan.chunks) == [0, 256, 512, 768]
+    assert plan.bytes_per_rank(4) == [512 * 1024] * 4
+    check_exact_cover("big", (1024, 512), [c.spec for c in plan.chunks])
+
+
+def test_replicas_go_to_ranks_with_less_unshared_data():
+    own = {0: ("float32", (64,), Box((0,), (64,)))}  # only rank 0 holds "own"
+    plans = [_plan(0, {"own": own[0], "rep": ("float32", (8,), Box((0,), (8,)))}),
+             _plan(1, {"own": ("float32", (64,), None), "rep": ("float32", (8,), Box((0,), (8,)))})]
+    plan = make_global_plan(plans)
+    assert {c.fqn: c.writer for c in plan.chunks} == {"own": 0, "rep": 1}
