@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import traceback
@@ -235,6 +236,7 @@ class Engine:
         results = self.comm.all_gather(result, self.comm.background_group)
         failures = {r: res["error"] for r, res in enumerate(results) if not res["ok"]}
         if failures:
+            log.error("unickpt: save to %s failed on rank(s) %s; nothing was committed", job.path, sorted(failures))
             raise SaveFailedError(job.path, failures)
         status = None
         if self.rank == 0:
@@ -245,6 +247,7 @@ class Engine:
                 status = _format_exc(e)
         status = self.comm.broadcast(status, self.comm.background_group)
         if status is not None:
+            log.error("unickpt: commit of %s failed on rank 0; nothing was committed", job.path)
             raise SaveFailedError(job.path, {0: status})
         stats.committed = True
         stats.commit_s = time.perf_counter() - t_commit
@@ -416,12 +419,17 @@ _ENGINES_LOCK = threading.Lock()
 
 
 def get_engine(process_group: Any = None) -> Engine:
-    """The engine of ``process_group`` (created on first use, collectively). One per group per process."""
+    """The engine of ``process_group`` (created on first use, collectively). One per group per process.
+
+    ``UNICKPT_COLLECTIVE_TIMEOUT_S`` (default 1800) bounds each internal collective, so a dead peer
+    fails a save instead of hanging it.
+    """
     import torch.distributed as dist
 
     key = process_group if process_group is not None else (dist.group.WORLD if dist.is_available() and dist.is_initialized() else None)
     with _ENGINES_LOCK:
         engine = _ENGINES.get(key)
         if engine is None:
-            engine = _ENGINES[key] = Engine(process_group)
+            timeout_s = float(os.environ.get("UNICKPT_COLLECTIVE_TIMEOUT_S", "1800"))
+            engine = _ENGINES[key] = Engine(process_group, timeout_s=timeout_s)
         return engine
