@@ -2,9 +2,10 @@
 
 Save call sequence (every rank of the group):
 
-1. caller's thread: flatten the state, build the local plan, ``all_gather`` the plans on the
-   private *plan* group; every rank derives the same global plan (replicas written once,
-   balanced). Group rank 0 first refuses a committed target directory and clears an incomplete one.
+1. caller's thread: flatten the state, build the local plan, ``all_gather`` its signature on the
+   private *plan* group; on a plan-cache miss, ``all_gather`` the plans and derive the same global
+   plan on every rank (replicas written once, balanced). Group rank 0 first refuses a committed
+   target directory and clears an incomplete one.
 2. caller's thread: stage this rank's chunks into a free staging pool (ping-pong of two) and
    snapshot per-rank objects. This is the stall; ``save`` returns here when async.
 3. background thread (one per engine, so saves commit in order): write this rank's data file
@@ -25,6 +26,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -47,6 +49,8 @@ __all__ = ["Engine", "SaveHandle", "SaveStats", "get_engine"]
 
 log = logging.getLogger("unickpt")
 
+PLAN_CACHE_SIZE = 8  # distinct layouts remembered per engine (e.g. model-only vs full saves)
+
 
 @dataclass
 class SaveStats:
@@ -63,6 +67,7 @@ class SaveStats:
     total_s: float = 0.0  # from the call to the commit
     bytes_staged: int = 0
     bytes_written: int = 0  # this rank's data + object files
+    plan_cache_hit: bool = False  # the layout was planned before: no plan exchange, no planning
     committed: bool = False
 
     def as_dict(self) -> dict:
@@ -143,6 +148,7 @@ class Engine:
         self._pools = [StagingPool(), StagingPool()]
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unickpt-save")
         self._pending: list[SaveHandle] = []
+        self._plan_cache: OrderedDict[tuple, tuple[list[LocalPlan], GlobalPlan]] = OrderedDict()
         self._lock = threading.Lock()
         self.run_id = uuid.uuid4().hex
 
@@ -155,20 +161,18 @@ class Engine:
         storage = Storage(path, storage_options)
         path = str(path)
         local_error: BaseException | None = None
+        signature = None
         try:
             flat = flatten(state, for_load=False)
             for leaf in flat.tensors.values():
                 check_leaf_fits(leaf)
             local = make_local_plan(flat, self.rank)
+            signature = local.signature()
             if self.rank == 0:
                 self._prepare_dir(storage, path)
         except Exception as e:  # every rank must still join the gather, or the others hang
             local_error, local = e, LocalPlan(rank=self.rank, error=_format_exc(e))
-        plans = self.comm.all_gather(local, self.comm.plan_group)
-        failures = {p.rank: p.error for p in plans if p.error}
-        if failures:
-            raise SaveFailedError(path, failures) from local_error
-        plan = make_global_plan(plans)
+        plans, plan = self._global_plan(path, local, signature, local_error, stats)
         stats.plan_s = time.perf_counter() - t0
 
         job = _SaveJob(path, storage, plan, plans, stats, step, framework, extra or {}, on_commit, t0=t0)
@@ -194,6 +198,31 @@ class Engine:
         if not async_save:
             handle.wait()
         return handle
+
+    def _global_plan(self, path: str, local: LocalPlan, signature: str | None, local_error: BaseException | None,
+                     stats: SaveStats) -> tuple[list[LocalPlan], GlobalPlan]:
+        """Agree on the global plan: one small gather of plan signatures; the full plans are gathered
+        only when this combination of signatures has not been planned before (plan cache).
+
+        The cache is keyed by every rank's signature and filled and evicted identically on every
+        rank (same keys in the same order), so all ranks hit or miss together.
+        """
+        gathered = self.comm.all_gather((signature, local.error), self.comm.plan_group)
+        failures = {r: err for r, (_, err) in enumerate(gathered) if err}
+        if failures:
+            raise SaveFailedError(path, failures) from local_error
+        key = tuple(sig for sig, _ in gathered)
+        cached = self._plan_cache.get(key)
+        if cached is not None:
+            self._plan_cache.move_to_end(key)
+            stats.plan_cache_hit = True
+            return cached
+        plans = self.comm.all_gather(local, self.comm.plan_group)
+        plan = make_global_plan(plans)
+        self._plan_cache[key] = (plans, plan)
+        while len(self._plan_cache) > PLAN_CACHE_SIZE:
+            self._plan_cache.popitem(last=False)
+        return plans, plan
 
     def _prepare_dir(self, storage: Storage, path: str) -> None:
         if storage.exists(storage.join(path, METADATA_FILE)):

@@ -11,6 +11,7 @@ at least :data:`SPLIT_MIN_BYTES` are split into row blocks across their holders.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from .codec import dtype_to_str, str_to_dtype
@@ -54,6 +55,11 @@ class LocalPlan:
     aliases: dict[str, str] = field(default_factory=dict)
     per_rank_fqns: tuple[str, ...] = ()
     error: str | None = None  # set instead of the rest when this rank failed before planning
+
+    def signature(self) -> str:
+        """A digest of everything the global plan depends on (not the rank: plans are gathered in order)."""
+        text = repr((sorted(self.tensors.items()), sorted(self.aliases.items()), self.per_rank_fqns))
+        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True)

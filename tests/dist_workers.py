@@ -161,5 +161,23 @@ def checkpointer_run(root: str) -> dict:
     assert all(h.done() and h.stats.committed for h in handles)
     out = torch.zeros(64)
     step = ckpt.load({"w": unickpt.Shard(out, (64 * dist.get_world_size(),), offsets=(64 * dist.get_rank(),))})
-    stalls = [h.stats.stall_s for h in handles]
-    return {"step": step, "value": out[0].item(), "listing": sorted(os.listdir(root)), "stalls": stalls}
+    hits = [h.stats.plan_cache_hit for h in handles]
+    return {"step": step, "value": out[0].item(), "listing": sorted(os.listdir(root)), "hits": hits}
+
+
+def plan_cache_layout_changes(root: str) -> dict:
+    """Saves whose layout changes on one rank only must re-plan; returning to a layout hits the cache."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    w = unickpt.Shard(torch.full((4,), float(rank)), (4 * ws,), offsets=(4 * rank,))
+    layouts = [{"w": w}, {"w": w, **({"x": torch.arange(3.0)} if rank == 1 else {})}, {"w": w}]
+    hits, loaded = [], []
+    for i, state in enumerate(layouts):
+        h = unickpt.save(os.path.join(root, f"s{i}"), state)
+        hits.append(h.stats.plan_cache_hit)
+    for i in range(3):
+        out = {"w": unickpt.Shard(torch.zeros(4), (4 * ws,), offsets=(4 * rank,))}
+        if i == 1:
+            out["x"] = torch.zeros(3)
+        unickpt.load(os.path.join(root, f"s{i}"), out)
+        loaded.append({k: (v.tensor if isinstance(v, unickpt.Shard) else v).tolist() for k, v in out.items()})
+    return {"hits": hits, "loaded": loaded}

@@ -78,4 +78,14 @@ def test_checkpointer_async_retention_on_two_ranks(pool, tmp_path):
     for rank, r in enumerate(results):
         assert r["step"] == 4 and r["value"] == 40 + rank
         assert r["listing"] == ["latest", "step_3", "step_4"]
+        assert r["hits"] == [False, True, True, True, True]  # same layout: planned once
     assert open(os.path.join(root, "latest")).read() == "step_4"
+
+
+def test_plan_cache_misses_when_any_rank_changes_layout(pool, tmp_path):
+    results = pool(2).run(w.plan_cache_layout_changes, str(tmp_path))
+    for rank, r in enumerate(results):
+        # the first layout may already be cached from earlier tests in this pool: only the order matters
+        assert r["hits"][1] is False and r["hits"][2] is True
+        assert r["loaded"][1] == {"w": [float(rank)] * 4, "x": [0.0, 1.0, 2.0]}
+        assert r["loaded"][0] == r["loaded"][2] == {"w": [float(rank)] * 4}
