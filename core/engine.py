@@ -338,7 +338,10 @@ class Engine:
         storage = Storage(path, storage_options)
         meta = read_metadata(storage, path)
         flat = flatten(state, for_load=True)
-        saved_tensors, saved_per_rank, saved_objects = saved_leaves(meta.state_tree)
+        # tensors and per-rank entries from every rank's plan; plain objects are group rank 0's
+        _, _, saved_objects = saved_leaves(meta.state_tree)
+        saved_tensors = set(meta.tensors) | set(meta.aliases)
+        saved_per_rank = set(meta.per_rank.get("fqns", []))
         _check_keys(flat, saved_tensors, saved_per_rank, saved_objects, strict, path)
         stats = LoadStats()
         for fqn, leaf in flat.tensors.items():
