@@ -35,10 +35,10 @@ import torch
 
 from . import codec
 from .collectives import Comm
-from .errors import (CheckpointExistsError, PerRankReshardError, SaveFailedError, StateMismatchError,
-                     UnickptError)
+from .errors import (CheckpointExistsError, IntegrityError, PerRankReshardError, SaveFailedError,
+                     StateMismatchError)
 from .loading import LoadStats, load_tensor
-from .metadata import METADATA_FILE, ChunkMeta, CheckpointMetadata, TensorMeta, checksum, read_metadata
+from .metadata import METADATA_FILE, ChunkMeta, CheckpointMetadata, TensorMeta, chunk_checksums, read_metadata
 from .planner import GlobalPlan, LocalPlan, _spec_key, make_global_plan, make_local_plan
 from .resharding import FlatRange
 from .staging import StagingPool
@@ -298,7 +298,8 @@ class Engine:
             buffers = []
             for chunk, staged in job.staged:
                 mv = memoryview(pool.view(staged).numpy())
-                records.append((chunk.fqn, chunk.spec, rel, offset, staged.nbytes, checksum(mv)))
+                digest, blocks, block_bytes = chunk_checksums(mv)
+                records.append((chunk.fqn, chunk.spec, rel, offset, staged.nbytes, digest, blocks, block_bytes))
                 buffers.append(mv)
                 offset += staged.nbytes
             job.stats.bytes_written += storage.write_file(storage.join(job.path, rel), buffers)
@@ -312,8 +313,8 @@ class Engine:
     def _build_metadata(self, job: _SaveJob, records: list[dict]) -> CheckpointMetadata:
         chunks: dict[str, list[ChunkMeta]] = {fqn: [] for fqn in job.plan.tensors}
         for rank_records in records:
-            for fqn, spec, rel, offset, nbytes, digest in rank_records["chunks"]:
-                chunks[fqn].append(ChunkMeta(spec, rel, offset, nbytes, digest))
+            for fqn, spec, rel, offset, nbytes, digest, blocks, block_bytes in rank_records["chunks"]:
+                chunks[fqn].append(ChunkMeta(spec, rel, offset, nbytes, digest, blocks, block_bytes))
         tensors = {
             fqn: TensorMeta(dtype, shape, tuple(sorted(chunks[fqn], key=lambda c: _spec_key(c.spec))))
             for fqn, (dtype, shape) in job.plan.tensors.items()
@@ -343,31 +344,41 @@ class Engine:
         saved_tensors = set(meta.tensors) | set(meta.aliases)
         saved_per_rank = set(meta.per_rank.get("fqns", []))
         _check_keys(flat, saved_tensors, saved_per_rank, saved_objects, strict, path)
-        stats = LoadStats()
+        # Validate and decode everything before the first byte lands in the caller's state, so a
+        # mismatch or an unsafe object leaves the state untouched.
+        reads = []
         for fqn, leaf in flat.tensors.items():
-            if fqn not in saved_tensors:
-                continue
-            source = meta.aliases.get(fqn, fqn)
-            tmeta = meta.tensors[source]
-            got_dtype, got_shape = codec.dtype_to_str(leaf.dtype), tuple(leaf.global_shape)
-            if (got_dtype, got_shape) != (tmeta.dtype, tmeta.shape):
-                raise StateMismatchError(
-                    f"{fqn!r}: checkpoint has dtype {tmeta.dtype} shape {list(tmeta.shape)}, the state to "
-                    f"load into has dtype {got_dtype} shape {list(got_shape)} (no implicit cast or reshape)"
-                )
+            if fqn in saved_tensors:
+                tmeta = meta.tensors[meta.aliases.get(fqn, fqn)]
+                _check_target(leaf, tmeta)
+                reads.append((leaf, tmeta))
+        objects = {}
+        for fqn, (container, key) in flat.objects.items():
+            if fqn in saved_objects:
+                value = codec.decode(saved_objects[fqn], allow_pickle=allow_pickle, key=fqn)
+                if isinstance(container, tuple) and container[key] != value:
+                    raise StateMismatchError(
+                        f"{fqn!r}: checkpoint has {value!r}, the state has {container[key]!r} inside a tuple, "
+                        "which cannot be updated in place (use a list)"
+                    )
+                objects[fqn] = (container, key, value)
+        per_rank = self._per_rank_states(storage, path, meta, flat.per_rank, saved_per_rank, allow_pickle)
+        stats = LoadStats()
+        for leaf, tmeta in reads:
             if isinstance(leaf.spec, FlatRange) or leaf.spec.numel:
                 load_tensor(storage, path, leaf, tmeta, stats, verify)
-        for fqn, (container, key) in flat.objects.items():
-            if fqn in saved_objects and not isinstance(container, tuple):
-                container[key] = codec.decode(saved_objects[fqn], allow_pickle=allow_pickle, key=fqn)
-        if flat.per_rank:
-            self._load_per_rank(storage, path, meta, flat.per_rank, saved_per_rank, allow_pickle)
+        for container, key, value in objects.values():
+            if not isinstance(container, tuple):
+                container[key] = value
+        for fqn, value in per_rank.items():
+            flat.per_rank[fqn].load_state_dict(value)
         for apply in flat.appliers:
             apply()
         return stats
 
-    def _load_per_rank(self, storage: Storage, path: str, meta: CheckpointMetadata, targets: dict,
-                       saved: set[str], allow_pickle: bool) -> None:
+    def _per_rank_states(self, storage: Storage, path: str, meta: CheckpointMetadata, targets: dict,
+                         saved: set[str], allow_pickle: bool) -> dict[str, Any]:
+        """This rank's state for each per-rank fqn (resharded if the world size changed)."""
         info = meta.per_rank
         saved_ws = int(info.get("world_size", 0))
         files: dict[int, dict] = {}
@@ -376,15 +387,16 @@ class Engine:
             if r not in files:
                 rel = info["files"][r]
                 if rel is None:
-                    raise UnickptError(f"{path!r}: rank {r} saved no per-rank state")
+                    raise IntegrityError(f"{path!r}: rank {r} saved no per-rank state file")
                 files[r] = json.loads(storage.read_bytes(storage.join(path, rel)))
             return files[r]
 
+        out = {}
         for fqn, target in targets.items():
             if fqn not in saved:
                 continue
             if saved_ws == self.world_size:
-                target.load_state_dict(codec.decode(rank_state(self.rank)[fqn], allow_pickle=allow_pickle, key=fqn))
+                out[fqn] = codec.decode(rank_state(self.rank)[fqn], allow_pickle=allow_pickle, key=fqn)
                 continue
             if target.reshard is None:
                 raise PerRankReshardError(
@@ -392,7 +404,8 @@ class Engine:
                     f"{self.world_size}; give PerRank(..., reshard=fn) to say how to redistribute it"
                 )
             states = [codec.decode(rank_state(r)[fqn], allow_pickle=allow_pickle, key=fqn) for r in range(saved_ws)]
-            target.load_state_dict(target.reshard(states, self.rank, self.world_size))
+            out[fqn] = target.reshard(states, self.rank, self.world_size)
+        return out
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def broadcast(self, obj: Any) -> Any:
@@ -420,6 +433,25 @@ class Engine:
         finally:
             self._executor.shutdown(wait=True)
             self.comm.close()
+
+
+def _check_target(leaf: Any, tmeta: TensorMeta) -> None:
+    """Raise StateMismatchError unless ``leaf`` can take the stored tensor as it is."""
+    fqn, t = leaf.fqn, leaf.local
+    got_dtype, got_shape = codec.dtype_to_str(leaf.dtype), tuple(leaf.global_shape)
+    if (got_dtype, got_shape) != (tmeta.dtype, tmeta.shape):
+        raise StateMismatchError(
+            f"{fqn!r}: checkpoint has dtype {tmeta.dtype} shape {list(tmeta.shape)}, the state to "
+            f"load into has dtype {got_dtype} shape {list(got_shape)} (no implicit cast or reshape)"
+        )
+    if t.device.type == "meta":
+        raise StateMismatchError(f"{fqn!r}: the tensor to load into is on the meta device (no storage); "
+                                 "materialize it first (e.g. model.to_empty(device=...))")
+    if t.layout != torch.strided:
+        raise StateMismatchError(f"{fqn!r}: tensor layout {t.layout} is not supported (dense tensors only)")
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        raise StateMismatchError(f"{fqn!r}: the tensor to load into is an expanded view (stride 0, "
+                                 f"shape {list(t.shape)}, stride {list(t.stride())}); its elements share memory")
 
 
 def _check_keys(flat, saved_tensors: set, saved_per_rank: set, saved_objects: dict, strict: bool, path: str) -> None:

@@ -8,7 +8,9 @@ Format version 1 (see DESIGN.md, "On-disk format")::
      "tensors": {fqn: {"dtype": "bfloat16", "shape": [4096, 4096],
                        "chunks": [{"offsets": [0, 0], "lengths": [1024, 4096]   # or flat_start/flat_length
                                    "file": "data/0_0.bin", "byte_offset": 0, "byte_length": 8388608,
-                                   "checksum": "xxh3_64:9f0c..."}]}},
+                                   "checksum": "xxh3_64:9f0c...",
+                                   # chunks > 4 MiB also: "block_bytes": 4194304, "block_checksums": [...]
+                                   }]}},
      "aliases": {fqn: fqn_it_shares_storage_with},
      "state_tree": <tagged JSON of the state's structure and plain values>,
      "per_rank": {"world_size": 4, "fqns": [...], "files": ["objects/rank_0.json", ...]},
@@ -26,7 +28,8 @@ from typing import Any
 
 import xxhash
 
-from .errors import CheckpointNotFoundError, FormatVersionError
+from .codec import str_to_dtype
+from .errors import CheckpointNotFoundError, FormatVersionError, IntegrityError
 from .resharding import ChunkSpec, check_exact_cover, spec_from_json, spec_to_json
 
 __all__ = [
@@ -37,17 +40,43 @@ __all__ = [
     "TensorMeta",
     "CheckpointMetadata",
     "checksum",
+    "chunk_checksums",
+    "CHECKSUM_BLOCK_BYTES",
     "read_metadata",
 ]
 
 FORMAT_NAME = "unickpt"
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
+CHECKSUM_BLOCK_BYTES = 4 << 20
+"""Chunks larger than this also get one checksum per block of this many bytes, so that a partial
+read (resharding) can be verified by reading only the blocks it touches."""
+
+
+def _check_relpath(rel: Any, source: str) -> str:
+    """``rel`` if it is a relative path inside the checkpoint directory; IntegrityError otherwise."""
+    parts = str(rel).replace("\\", "/").split("/")
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in parts or ":" in rel:
+        raise IntegrityError(f"{source}: names the file {rel!r}, which is outside the checkpoint directory")
+    return rel
 
 
 def checksum(buf: Any) -> str:
     """``"xxh3_64:<16 hex digits>"`` of a bytes-like object."""
     return "xxh3_64:" + xxhash.xxh3_64_hexdigest(buf)
+
+
+def chunk_checksums(buf: memoryview, block_bytes: int = CHECKSUM_BLOCK_BYTES) -> tuple[str, tuple[str, ...], int]:
+    """``(checksum, block checksums, block size)`` of a chunk's bytes.
+
+    A chunk of at most ``block_bytes`` has one checksum over its bytes and no blocks. A larger
+    chunk has one checksum per ``block_bytes`` block (the last may be short), and its chunk
+    checksum is the checksum of the block checksums joined by commas.
+    """
+    if buf.nbytes <= block_bytes:
+        return checksum(buf), (), 0
+    blocks = tuple(checksum(buf[i : i + block_bytes]) for i in range(0, buf.nbytes, block_bytes))
+    return checksum(",".join(blocks).encode()), blocks, block_bytes
 
 
 @dataclass(frozen=True)
@@ -59,14 +88,25 @@ class ChunkMeta:
     byte_offset: int
     byte_length: int
     checksum: str
+    block_checksums: tuple[str, ...] = ()  # see chunk_checksums()
+    block_bytes: int = 0
 
     def to_json(self) -> dict:
-        return {**spec_to_json(self.spec), "file": self.file, "byte_offset": self.byte_offset,
-                "byte_length": self.byte_length, "checksum": self.checksum}
+        d = {**spec_to_json(self.spec), "file": self.file, "byte_offset": self.byte_offset,
+             "byte_length": self.byte_length, "checksum": self.checksum}
+        if self.block_checksums:
+            d["block_bytes"], d["block_checksums"] = self.block_bytes, list(self.block_checksums)
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "ChunkMeta":
-        return cls(spec_from_json(d), d["file"], int(d["byte_offset"]), int(d["byte_length"]), d["checksum"])
+        blocks = tuple(d.get("block_checksums", ()))
+        block_bytes = int(d.get("block_bytes", 0))
+        length = int(d["byte_length"])
+        if blocks and (block_bytes <= 0 or len(blocks) != -(-length // block_bytes)):
+            raise ValueError(f"chunk at {d['file']}@{d['byte_offset']}: {len(blocks)} block checksums do not fit "
+                             f"{length} bytes in blocks of {block_bytes}")
+        return cls(spec_from_json(d), d["file"], int(d["byte_offset"]), length, d["checksum"], blocks, block_bytes)
 
 
 @dataclass(frozen=True)
@@ -121,8 +161,8 @@ class CheckpointMetadata:
         """Parse and validate. Raises FormatVersionError for another format or an unknown version."""
         try:
             doc = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise FormatVersionError(f"{source}: not valid JSON ({e}); the file is corrupt") from e
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise IntegrityError(f"{source}: not valid JSON ({e}); the file is corrupt") from e
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
             raise FormatVersionError(f"{source}: format is {got!r}, expected {FORMAT_NAME!r}")
@@ -132,12 +172,27 @@ class CheckpointMetadata:
                 f"{source}: format_version {version!r} is not supported by this unickpt "
                 f"(it reads version {FORMAT_VERSION}); upgrade unickpt to load it"
             )
+        try:
+            return cls._from_doc(doc, version, source)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise IntegrityError(f"{source}: malformed metadata ({type(e).__name__}: {e}); the file is corrupt") from e
+
+    @classmethod
+    def _from_doc(cls, doc: dict, version: int, source: str) -> "CheckpointMetadata":
         tensors = {}
         for fqn, t in doc["tensors"].items():
             shape = tuple(int(n) for n in t["shape"])
+            str_to_dtype(t["dtype"])
             chunks = tuple(ChunkMeta.from_json(c) for c in t["chunks"])
+            for c in chunks:
+                _check_relpath(c.file, source)
             check_exact_cover(fqn, shape, [c.spec for c in chunks])
             tensors[fqn] = TensorMeta(t["dtype"], shape, chunks)
+        for rel in doc.get("per_rank", {}).get("files", []):
+            if rel is not None:
+                _check_relpath(rel, source)
+        if "state_tree" not in doc:
+            raise KeyError("state_tree")
         return cls(
             tensors=tensors,
             state_tree=doc.get("state_tree"),

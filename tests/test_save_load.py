@@ -255,3 +255,27 @@ def test_plain_containers_replaced_whole_and_nested_statefuls(tmp_path):
     assert out["train"]["epoch"] == 3 and out["train"]["hist"] == [1.5, 2.5]
     assert out["cfg"] == {"lr": 0.5, 1: (2, 3)}
     assert torch.equal(model2.weight, model.weight)
+
+
+def test_partial_reads_verify_only_the_blocks_they_touch(tmp_path):
+    from unickpt.metadata import CHECKSUM_BLOCK_BYTES as B
+
+    n = 3 * B // 4  # float32 elements filling exactly 3 checksum blocks
+    full = torch.arange(n, dtype=torch.float32)
+    unickpt.save(tmp_path / "c", {"x": full})
+    meta = json.load(open(tmp_path / "c" / "metadata.json"))
+    assert len(meta["tensors"]["x"]["chunks"][0]["block_checksums"]) == 3
+    data = tmp_path / "c" / "data" / "0_0.bin"
+    raw = bytearray(data.read_bytes())
+    raw[2 * B + 100] ^= 0x01  # corrupt block 2
+    data.write_bytes(bytes(raw))
+
+    head = torch.zeros(1000)
+    stats = unickpt.load(tmp_path / "c", {"x": unickpt.Shard(head, (n,), offsets=(0,))})
+    assert torch.equal(head, full[:1000]) and stats.bytes_read == B and stats.blocks_verified == 1
+    tail = torch.zeros(1000)
+    with pytest.raises(unickpt.IntegrityError, match=rf"bytes \[{2 * B}, {3 * B}\) of chunk .* checksum"):
+        unickpt.load(tmp_path / "c", {"x": unickpt.Shard(tail, (n,), offsets=(n - 1000,))})
+    assert tail.sum() == 0  # nothing was copied from the corrupt block
+    stats = unickpt.load(tmp_path / "c", {"x": unickpt.Shard(tail, (n,), offsets=(n - 1000,))}, verify=False)
+    assert stats.bytes_read == 4000 and stats.blocks_verified == 0

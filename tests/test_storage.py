@@ -21,7 +21,8 @@ def test_fsspec_memory_round_trip_with_partial_reads():
     assert ckpt.load(out) == 2 and torch.equal(out["w"], w * 2) and out["meta"] == {"lr": 0.25}
     # a ranged read of two rows only
     part = torch.zeros(2, 10)
-    stats = unickpt.load(f"{root}/step_2", {"w": unickpt.Shard(part, (6, 10), offsets=(3, 0))}, strict=False)
+    stats = unickpt.load(f"{root}/step_2", {"w": unickpt.Shard(part, (6, 10), offsets=(3, 0))}, strict=False,
+                         verify=False)
     assert torch.equal(part, (w * 2)[3:5]) and stats.bytes_read == 2 * 10 * 4
     fs.rm("/unickpt-test", recursive=True)
 
