@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from .engine import SaveHandle, get_engine
-from .metadata import METADATA_FILE
+from .metadata import METADATA_FILE, is_incomplete_checkpoint
 from .storage import Storage
 
 __all__ = ["Checkpointer", "list_checkpoints"]
@@ -76,11 +76,18 @@ class Checkpointer:
         )
 
     def _after_commit(self, step: int) -> None:
-        """Group rank 0, background thread, after ``step`` committed: ``latest``, then retention."""
-        self._storage.write_atomic(self._storage.join(self.root, LATEST_FILE), f"step_{step}".encode())
+        """Group rank 0, background thread, after ``step`` committed: ``latest``, then retention.
+
+        ``latest`` names the newest committed step (not necessarily ``step``). Retention deletes the
+        oldest committed steps beyond ``keep_last`` and leftovers of crashed saves older than
+        ``step``, but never a save still in flight nor a directory holding anything unickpt did
+        not write.
+        """
         entries = list_checkpoints(self.root, self.storage_options)
         committed = [s for s, ok in entries if ok]
-        doomed = [s for s, ok in entries if not ok and s < step]
+        self._storage.write_atomic(self._storage.join(self.root, LATEST_FILE), f"step_{max(committed)}".encode())
+        doomed = [s for s, ok in entries if not ok and s < step and not self._engine.in_flight(self.path_for(s))
+                  and is_incomplete_checkpoint(self._storage, self.path_for(s))]
         if self.keep_last is not None:
             keep = set(committed[-self.keep_last:]) | {max(committed)}
             doomed += [s for s in committed if s not in keep]

@@ -38,7 +38,7 @@ from .collectives import Comm
 from .errors import (CheckpointExistsError, IntegrityError, PerRankReshardError, SaveFailedError,
                      StateMismatchError)
 from .loading import LoadStats, load_tensor
-from .metadata import METADATA_FILE, ChunkMeta, CheckpointMetadata, TensorMeta, chunk_checksums, read_metadata
+from .metadata import METADATA_FILE, ChunkMeta, is_incomplete_checkpoint, CheckpointMetadata, TensorMeta, chunk_checksums, read_metadata
 from .planner import GlobalPlan, LocalPlan, _spec_key, make_global_plan, make_local_plan
 from .resharding import FlatRange
 from .staging import StagingPool
@@ -148,6 +148,7 @@ class Engine:
         self._pools = [StagingPool(), StagingPool()]
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unickpt-save")
         self._pending: list[SaveHandle] = []
+        self._in_flight: set[str] = set()  # paths of saves not yet finished
         self._plan_cache: OrderedDict[tuple, tuple[list[LocalPlan], GlobalPlan]] = OrderedDict()
         self._lock = threading.Lock()
         self.run_id = uuid.uuid4().hex
@@ -172,6 +173,7 @@ class Engine:
                 self._prepare_dir(storage, path)
         except Exception as e:  # every rank must still join the gather, or the others hang
             local_error, local = e, LocalPlan(rank=self.rank, error=_format_exc(e))
+            local.error_type, local.error_message = type(e).__name__, str(e)
         plans, plan = self._global_plan(path, local, signature, local_error, stats)
         stats.plan_s = time.perf_counter() - t0
 
@@ -191,6 +193,8 @@ class Engine:
             stats.stage_s = time.perf_counter() - t_stage
         except Exception as e:
             job.error = e
+        with self._lock:
+            self._in_flight.add(path)
         handle = SaveHandle(self._executor.submit(self._drain, job), stats)
         with self._lock:
             self._pending = [h for h in self._pending if not (h.done() and h.error_reported)] + [handle]
@@ -207,11 +211,15 @@ class Engine:
         The cache is keyed by every rank's signature and filled and evicted identically on every
         rank (same keys in the same order), so all ranks hit or miss together.
         """
-        gathered = self.comm.all_gather((signature, local.error), self.comm.plan_group)
-        failures = {r: err for r, (_, err) in enumerate(gathered) if err}
+        gathered = self.comm.all_gather((signature, local.error, local.error_type, local.error_message),
+                                        self.comm.plan_group)
+        failures = {r: g[1] for r, g in enumerate(gathered) if g[1]}
         if failures:
+            kinds = {g[2] for g in gathered if g[1]}
+            if kinds == {"CheckpointExistsError"}:  # the target is taken: say so with its own type
+                raise CheckpointExistsError(next(g[3] for g in gathered if g[1])) from local_error
             raise SaveFailedError(path, failures) from local_error
-        key = tuple(sig for sig, _ in gathered)
+        key = tuple(g[0] for g in gathered)
         cached = self._plan_cache.get(key)
         if cached is not None:
             self._plan_cache.move_to_end(key)
@@ -225,15 +233,28 @@ class Engine:
         return plans, plan
 
     def _prepare_dir(self, storage: Storage, path: str) -> None:
+        """Group rank 0: refuse a committed, in-flight or foreign target; clear a crashed save's leftovers."""
+        if self.in_flight(path):
+            raise CheckpointExistsError(f"{path!r}: a save to this path is still in flight; wait for it first")
         if storage.exists(storage.join(path, METADATA_FILE)):
             raise CheckpointExistsError(
                 f"{path!r} already holds a committed checkpoint; committed checkpoints are never "
                 "overwritten (choose a new path or step, or delete it first)"
             )
         if storage.exists(path):
+            if not is_incomplete_checkpoint(storage, path):
+                raise CheckpointExistsError(
+                    f"{path!r} exists and is not a unickpt checkpoint directory (it holds other files); "
+                    "refusing to delete it: choose another path"
+                )
             log.warning("unickpt: removing incomplete checkpoint directory %s (no %s)", path, METADATA_FILE)
             storage.rm(path)
         storage.makedirs(storage.join(path, "data"))
+
+    def in_flight(self, path: str) -> bool:
+        """True while a save to ``path`` started by this process has not finished (any thread)."""
+        with self._lock:
+            return str(path) in self._in_flight
 
     def _acquire_pool(self) -> tuple[StagingPool, float]:
         t0 = time.perf_counter()
@@ -248,6 +269,13 @@ class Engine:
 
     def _drain(self, job: _SaveJob) -> None:
         """Background thread: write, gather results, commit. Every rank reaches both collectives."""
+        try:
+            self._write_and_commit(job)
+        finally:
+            with self._lock:
+                self._in_flight.discard(job.path)
+
+    def _write_and_commit(self, job: _SaveJob) -> None:
         stats, storage = job.stats, job.storage
         result: dict[str, Any]
         t_write = time.perf_counter()
@@ -262,7 +290,12 @@ class Engine:
                 job.pool.released.set()
         stats.write_s = time.perf_counter() - t_write
         t_commit = time.perf_counter()
-        results = self.comm.all_gather(result, self.comm.background_group)
+        try:
+            results = self.comm.all_gather(result, self.comm.background_group)
+        except Exception as e:
+            raise SaveFailedError(job.path, {self.rank: f"lost contact with the other ranks before the commit "
+                                                        f"(a rank died, or the process group was destroyed "
+                                                        f"before the save finished): {e!r}"}) from e
         failures = {r: res["error"] for r, res in enumerate(results) if not res["ok"]}
         if failures:
             log.error("unickpt: save to %s failed on rank(s) %s; nothing was committed", job.path, sorted(failures))
@@ -274,19 +307,35 @@ class Engine:
                 storage.write_atomic(storage.join(job.path, METADATA_FILE), meta.to_json().encode())
             except BaseException as e:
                 status = _format_exc(e)
-        status = self.comm.broadcast(status, self.comm.background_group)
+            else:
+                self._after_commit(job, t_commit)
+        try:
+            status = self.comm.broadcast(status, self.comm.background_group)
+        except Exception as e:
+            if self.rank != 0:  # rank 0 knows its own outcome; the others cannot tell
+                raise SaveFailedError(job.path, {self.rank: f"lost contact with rank 0 during the commit; whether "
+                                                            f"{METADATA_FILE} was written is unknown: {e!r}"}) from e
+            log.warning("unickpt: %s committed, but the other ranks could not be told: %r", job.path, e)
         if status is not None:
             log.error("unickpt: commit of %s failed on rank 0; nothing was committed", job.path)
             raise SaveFailedError(job.path, {0: status})
+        if self.rank != 0:
+            stats.committed = True
+            stats.commit_s = time.perf_counter() - t_commit
+            stats.total_s = time.perf_counter() - job.t0
+
+    def _after_commit(self, job: _SaveJob, t_commit: float) -> None:
+        """Group rank 0, right after ``metadata.json`` landed: stats, ``on_commit``, the log line."""
+        stats = job.stats
         stats.committed = True
         stats.commit_s = time.perf_counter() - t_commit
         stats.total_s = time.perf_counter() - job.t0
-        if self.rank == 0 and job.on_commit is not None:
+        if job.on_commit is not None:
             try:
                 job.on_commit()
             except Exception:
                 log.exception("unickpt: post-commit step (latest pointer / retention) failed for %s", job.path)
-        log.info("unickpt: saved %s rank %d: %.1f MB, stall %.3f s, total %.3f s", job.path, self.rank,
+        log.info("unickpt: committed %s: %.1f MB by rank 0, stall %.3f s, total %.3f s", job.path,
                  stats.bytes_written / 1e6, stats.stall_s, stats.total_s)
 
     def _write_files(self, job: _SaveJob) -> dict:

@@ -22,6 +22,7 @@ flattened tensor) in the tensor's dtype, native little-endian. No pickle anywher
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ __all__ = [
     "chunk_checksums",
     "CHECKSUM_BLOCK_BYTES",
     "read_metadata",
+    "is_incomplete_checkpoint",
 ]
 
 FORMAT_NAME = "unickpt"
@@ -206,6 +208,26 @@ class CheckpointMetadata:
             extra=doc.get("extra", {}),
             format_version=version,
         )
+
+
+_PARTIAL_ENTRIES = re.compile(r"^(data|objects|metadata\.json\.tmp-[0-9a-f]+)$")
+_PARTIAL_FILES = {"data": re.compile(r"^\d+_\d+\.bin$"), "objects": re.compile(r"^rank_\d+\.json$")}
+
+
+def is_incomplete_checkpoint(storage: Any, path: str) -> bool:
+    """True if ``path`` is a directory holding nothing but what an unfinished unickpt save writes
+    (``data/<rank>_<n>.bin``, ``objects/rank_<r>.json``, a temporary metadata file), so that it is
+    safe to delete. A committed checkpoint, a file, or a directory with anything else is not."""
+    if not storage.isdir(path) or storage.exists(storage.join(path, METADATA_FILE)):
+        return False
+    for name in storage.listdir(path):
+        if not _PARTIAL_ENTRIES.match(name):
+            return False
+        if name in _PARTIAL_FILES:
+            sub = storage.join(path, name)
+            if not storage.isdir(sub) or not all(_PARTIAL_FILES[name].match(f) for f in storage.listdir(sub)):
+                return False
+    return True
 
 
 def read_metadata(storage: Any, path: str) -> CheckpointMetadata:

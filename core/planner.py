@@ -54,7 +54,9 @@ class LocalPlan:
     tensors: dict[str, tuple[str, tuple[int, ...], ChunkSpec | None]] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     per_rank_fqns: tuple[str, ...] = ()
-    error: str | None = None  # set instead of the rest when this rank failed before planning
+    error: str | None = None  # set instead of the rest when this rank failed before planning (traceback)
+    error_type: str | None = None
+    error_message: str | None = None
 
     def signature(self) -> str:
         """A digest of everything the global plan depends on (not the rank: plans are gathered in order)."""

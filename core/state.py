@@ -104,6 +104,10 @@ def _has_special(x: Any) -> bool:
 
 
 def _tensor_leaf(fqn: str, x: Any) -> TensorLeaf:
+    t = x.tensor if isinstance(x, Shard) else x
+    if t.layout != torch.strided or getattr(t, "is_quantized", False):
+        raise ValueError(f"{fqn!r}: tensor layout {t.layout}{' (quantized)' if t.is_quantized else ''} is not "
+                         "supported; unickpt stores dense tensors (convert with .to_dense() / .dequantize())")
     if isinstance(x, Shard):
         return TensorLeaf(fqn, x.tensor.dtype, x.global_shape, x.tensor, x.spec)
     if _is_dtensor(x):
@@ -117,7 +121,7 @@ def _alias_key(leaf: TensorLeaf) -> tuple | None:
     if t.numel() == 0 or t.device.type == "meta":
         return None
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
-            leaf.global_shape, leaf.spec)
+            t.is_conj(), t.is_neg(), leaf.global_shape, leaf.spec)
 
 
 def _module_for(optim: torch.optim.Optimizer, modules: list[nn.Module], fqn: str) -> nn.Module:

@@ -44,6 +44,9 @@ class Storage:
     def exists(self, path: str) -> bool:
         return os.path.exists(self.strip(path)) if self.is_local else self.fs.exists(path)
 
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(self.strip(path)) if self.is_local else self.fs.isdir(path)
+
     def listdir(self, path: str) -> list[str]:
         """Names (not paths) directly under ``path``; [] if it does not exist."""
         if self.is_local:

@@ -133,9 +133,97 @@ def test_uncommitted_directory_is_never_loaded(tmp_path):
 def test_committed_checkpoint_is_never_overwritten(tmp_path):
     unickpt.save(tmp_path / "c", {"w": torch.ones(4)})
     before = open(tmp_path / "c" / "metadata.json").read()
-    with pytest.raises(unickpt.SaveFailedError, match="already holds a committed checkpoint"):
+    with pytest.raises(unickpt.CheckpointExistsError, match="already holds a committed checkpoint"):
         unickpt.save(tmp_path / "c", {"w": torch.zeros(4)})
     assert open(tmp_path / "c" / "metadata.json").read() == before
+
+
+def test_save_never_deletes_what_it_did_not_write(tmp_path):
+    os.makedirs(tmp_path / "project" / "src")
+    (tmp_path / "project" / "src" / "main.py").write_text("important")
+    with pytest.raises(unickpt.CheckpointExistsError, match="not a unickpt checkpoint directory"):
+        unickpt.save(tmp_path / "project", {"w": torch.ones(2)})
+    assert (tmp_path / "project" / "src" / "main.py").read_text() == "important"
+    (tmp_path / "afile").write_text("user data")
+    with pytest.raises(unickpt.CheckpointExistsError):
+        unickpt.save(tmp_path / "afile", {"w": torch.ones(2)})
+    assert (tmp_path / "afile").read_text() == "user data"
+    # a crashed save's leftovers are replaced
+    os.makedirs(tmp_path / "crashed" / "data")
+    (tmp_path / "crashed" / "data" / "0_0.bin").write_bytes(b"partial")
+    unickpt.save(tmp_path / "crashed", {"w": torch.ones(2)})
+    assert os.path.getsize(tmp_path / "crashed" / "data" / "0_0.bin") == 8
+
+
+def test_second_save_to_a_path_in_flight_is_refused(tmp_path):
+    big = {"x": torch.ones(4 << 20)}
+    first = unickpt.save(tmp_path / "c", big, async_save=True)
+    with pytest.raises(unickpt.CheckpointExistsError, match="still in flight|already holds a committed"):
+        unickpt.save(tmp_path / "c", {"x": torch.zeros(4 << 20)}, async_save=True).wait()
+    first.wait()
+    out = {"x": torch.zeros(4 << 20)}
+    unickpt.load(tmp_path / "c", out)
+    assert bool((out["x"] == 1).all())
+
+
+def test_retention_spares_saves_in_flight_and_latest_is_newest(tmp_path):
+    ckpt = Checkpointer(tmp_path / "run")
+    big = {"x": torch.ones(2 << 20)}
+    ckpt.save(10, big)
+    ckpt.save(5, big)  # lower step, saved after: must not be deleted as a crash leftover
+    ckpt.wait()
+    assert [s for s, ok in unickpt.list_checkpoints(str(tmp_path / "run")) if ok] == [5, 10]
+    assert (tmp_path / "run" / "latest").read_text() == "step_10"
+
+
+def test_conj_and_neg_views_are_not_aliases(tmp_path):
+    c = torch.randn(3, dtype=torch.complex64)
+    unickpt.save(tmp_path / "c", {"a": c, "b": c.conj()})
+    out = {"a": torch.zeros(3, dtype=torch.complex64), "b": torch.zeros(3, dtype=torch.complex64)}
+    unickpt.load(tmp_path / "c", out)
+    assert torch.equal(out["a"], c) and torch.equal(out["b"], c.conj().resolve_conj())
+
+
+def test_failed_load_leaves_state_untouched(tmp_path):
+    unickpt.save(tmp_path / "c", {"a": torch.ones(3), "b": torch.ones(3), "cfg": Config(1)})
+    state = {"a": torch.zeros(3), "b": torch.zeros(4), "cfg": None}
+    with pytest.raises(unickpt.StateMismatchError, match="'b'"):
+        unickpt.load(tmp_path / "c", state)
+    state["b"] = torch.zeros(3)
+    with pytest.raises(unickpt.UnsafeObjectError):
+        unickpt.load(tmp_path / "c", state)
+    assert state["a"].sum() == 0 and state["b"].sum() == 0 and state["cfg"] is None
+
+
+def test_unloadable_targets_are_named(tmp_path):
+    unickpt.save(tmp_path / "c", {"w": torch.ones(3, 2), "t": (torch.ones(1), 5)})
+    with pytest.raises(unickpt.StateMismatchError, match="'w': .*meta device"):
+        unickpt.load(tmp_path / "c", {"w": torch.empty(3, 2, device="meta"), "t": (torch.zeros(1), 5)})
+    with pytest.raises(unickpt.StateMismatchError, match="'w': .*expanded view"):
+        unickpt.load(tmp_path / "c", {"w": torch.zeros(1, 2).expand(3, 2), "t": (torch.zeros(1), 5)})
+    with pytest.raises(unickpt.StateMismatchError, match=r"'t.1': checkpoint has 5, the state has 0 inside a tuple"):
+        unickpt.load(tmp_path / "c", {"w": torch.zeros(3, 2), "t": (torch.zeros(1), 0)})
+    with pytest.raises(unickpt.SaveFailedError, match="layout torch.sparse_coo is not supported"):
+        unickpt.save(tmp_path / "s", {"w": torch.eye(3).to_sparse()})
+
+
+def test_damaged_checkpoint_files_raise_integrity_errors(tmp_path):
+    unickpt.save(tmp_path / "c", {"w": torch.ones(4)})
+    meta_path = tmp_path / "c" / "metadata.json"
+    good = meta_path.read_text()
+    meta = json.loads(good)
+    meta["tensors"]["w"]["chunks"][0]["file"] = "../../../etc/passwd"
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(unickpt.IntegrityError, match="outside the checkpoint directory"):
+        unickpt.load(tmp_path / "c", {"w": torch.zeros(4)})
+    del meta["tensors"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(unickpt.IntegrityError, match="malformed metadata"):
+        unickpt.load(tmp_path / "c", {"w": torch.zeros(4)})
+    meta_path.write_text(good)
+    os.remove(tmp_path / "c" / "data" / "0_0.bin")
+    with pytest.raises(unickpt.IntegrityError, match="is missing"):
+        unickpt.load(tmp_path / "c", {"w": torch.zeros(4)})
 
 
 def test_unknown_format_version_is_rejected(tmp_path):
