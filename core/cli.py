@@ -24,6 +24,9 @@ def _human(nbytes: float) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     storage = Storage(args.path)
+    if not storage.exists(storage.join(args.path, "metadata.json")) and list_checkpoints(args.path):
+        raise UnickptError(f"{args.path!r} is a checkpoint root, not a checkpoint; "
+                           f"see `unickpt ls {args.path}` and inspect one of its step_<N> directories")
     meta = read_metadata(storage, args.path)
     if args.json:
         print(storage.read_bytes(storage.join(args.path, "metadata.json")).decode())
@@ -52,6 +55,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     storage = Storage(args.root)
+    if not storage.isdir(args.root):
+        raise UnickptError(f"{args.root!r} is not a directory")
     entries = list_checkpoints(args.root)
     latest = None
     latest_path = storage.join(args.root, "latest")
@@ -91,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
-    except (UnickptError, OSError) as e:
+    except (UnickptError, OSError, ValueError, KeyError, ImportError) as e:
         print(f"unickpt {args.command}: {e}", file=sys.stderr)
         return 1
 

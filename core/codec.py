@@ -1,6 +1,6 @@
 """Tagged JSON for non-tensor state: python containers, numbers, small tensors, numpy arrays.
 
-JSON keeps what python's ``json`` would lose by tagging it: tuples, dicts with non-string keys,
+JSON keeps what python's ``json`` would lose by tagging it: tuples, dicts with non-string keys, OrderedDicts,
 bytes, sets, complex numbers, ``torch.dtype``/``torch.Size``/``torch.device``, small tensors and
 numpy arrays (raw bytes, base64). Reading it never executes code. A value of any other class is
 stored as a pickle *only* so that the save does not fail; loading it needs ``allow_pickle=True``
@@ -9,6 +9,7 @@ stored as a pickle *only* so that the save does not fail; loading it needs ``all
 from __future__ import annotations
 
 import base64
+import collections
 import pickle
 from typing import Any
 
@@ -22,7 +23,7 @@ __all__ = ["encode", "decode", "dtype_to_str", "str_to_dtype", "TENSOR_REF", "PE
 TENSOR_REF = "__unickpt_tensor__"
 PER_RANK_REF = "__unickpt_per_rank__"
 STATEFUL_REF = "__unickpt_stateful__"  # wraps the state dict of a module / optimizer / stateful object
-_TAGS = {STATEFUL_REF, "__tuple__", "__dict__", "__bytes__", "__set__", "__frozenset__", "__complex__", "__dtype__",
+_TAGS = {STATEFUL_REF, "__tuple__", "__dict__", "__odict__", "__bytes__", "__set__", "__frozenset__", "__complex__", "__dtype__",
          "__size__", "__device__", "__tensor__", "__ndarray__", "__npscalar__", "__pickle__", TENSOR_REF, PER_RANK_REF}
 
 
@@ -55,6 +56,8 @@ def encode(value: Any) -> Any:
         return {"__size__": list(value)}
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
         return {"__tuple__": [encode(v) for v in value]}
+    if type(value) is collections.OrderedDict:
+        return {"__odict__": [[encode(k), encode(v)] for k, v in value.items()]}
     if isinstance(value, dict) and type(value) is dict:
         if all(isinstance(k, str) and k not in _TAGS for k in value):
             return {k: encode(v) for k, v in value.items()}
@@ -91,6 +94,9 @@ def decode(data: Any, *, allow_pickle: bool = False, key: str = "") -> Any:
         (tag, body), = data.items()
         if tag == "__tuple__":
             return tuple(decode(v, allow_pickle=allow_pickle, key=key) for v in body)
+        if tag == "__odict__":
+            return collections.OrderedDict((decode(k, allow_pickle=allow_pickle, key=key),
+                                            decode(v, allow_pickle=allow_pickle, key=key)) for k, v in body)
         if tag == "__dict__":
             return {decode(k, allow_pickle=allow_pickle, key=key): decode(v, allow_pickle=allow_pickle, key=key) for k, v in body}
         if tag == "__bytes__":

@@ -19,6 +19,7 @@ previously committed checkpoints are not touched.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -169,6 +170,7 @@ class Engine:
                 check_leaf_fits(leaf)
             local = make_local_plan(flat, self.rank)
             signature = local.signature()
+            local.objects_digest = hashlib.blake2b(repr(sorted(flat.objects)).encode(), digest_size=8).hexdigest()
             if self.rank == 0:
                 self._prepare_dir(storage, path)
         except Exception as e:  # every rank must still join the gather, or the others hang
@@ -211,14 +213,18 @@ class Engine:
         The cache is keyed by every rank's signature and filled and evicted identically on every
         rank (same keys in the same order), so all ranks hit or miss together.
         """
-        gathered = self.comm.all_gather((signature, local.error, local.error_type, local.error_message),
-                                        self.comm.plan_group)
+        gathered = self.comm.all_gather((signature, local.error, local.error_type, local.error_message,
+                                         local.objects_digest), self.comm.plan_group)
         failures = {r: g[1] for r, g in enumerate(gathered) if g[1]}
         if failures:
             kinds = {g[2] for g in gathered if g[1]}
             if kinds == {"CheckpointExistsError"}:  # the target is taken: say so with its own type
                 raise CheckpointExistsError(next(g[3] for g in gathered if g[1])) from local_error
             raise SaveFailedError(path, failures) from local_error
+        differ = [r for r, g in enumerate(gathered) if g[4] != gathered[0][4]]
+        if differ and self.rank == 0:
+            log.warning("unickpt: %s: rank(s) %s have other plain (non-tensor) keys than rank 0; only rank 0's "
+                        "plain values are saved (declare per-rank values with unickpt.PerRank)", path, differ)
         key = tuple(g[0] for g in gathered)
         cached = self._plan_cache.get(key)
         if cached is not None:

@@ -57,6 +57,7 @@ class LocalPlan:
     error: str | None = None  # set instead of the rest when this rank failed before planning (traceback)
     error_type: str | None = None
     error_message: str | None = None
+    objects_digest: str | None = None  # digest of the plain-value keys (only group rank 0's are saved)
 
     def signature(self) -> str:
         """A digest of everything the global plan depends on (not the rank: plans are gathered in order)."""

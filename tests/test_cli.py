@@ -43,3 +43,16 @@ def test_console_script_installed(tmp_path):
     assert exe is not None
     res = subprocess.run([exe, "ls", str(tmp_path)], capture_output=True, text=True)
     assert res.returncode == 0 and "no checkpoints" in res.stdout
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["ls", str(tmp_path / "missing")]) == 1
+    assert "is not a directory" in capsys.readouterr().err
+    root = tmp_path / "run"
+    unickpt.Checkpointer(root, async_save=False).save(1, {"w": torch.zeros(2)})
+    assert main(["inspect", str(root)]) == 1
+    assert "is a checkpoint root" in capsys.readouterr().err
+    (root / "step_1" / "metadata.json").write_text('{"format": "unickpt", "format_version": 1}')
+    assert main(["inspect", str(root / "step_1")]) == 1
+    err = capsys.readouterr().err
+    assert "malformed metadata" in err and "Traceback" not in err

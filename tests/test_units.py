@@ -68,6 +68,7 @@ def test_codec_round_trip_keeps_types():
         "empty": torch.empty(0, 3),
         "array": np.arange(5, dtype=np.uint32),
         "np_scalar": np.float64(2.5),
+        "odict": __import__("collections").OrderedDict([("b", 1), ("a", 2)]),
         "__tuple__": "a key that looks like a tag",
     }
     import json

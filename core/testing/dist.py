@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -90,13 +91,17 @@ class DistPool:
             box.put((fn, args, kwargs))
         results: dict[int, Any] = {}
         failures: dict[int, tuple[str, str, str]] = {}
-        for _ in range(self.world_size):
+        deadline = time.monotonic() + self.timeout_s
+        while len(results) + len(failures) < self.world_size:
             try:
-                rank, ok, value = self._outbox.get(timeout=self.timeout_s)
+                rank, ok, value = self._outbox.get(timeout=1.0)
             except queue.Empty:
-                self.close(kill=True)
-                raise TimeoutError(f"{fn.__name__} did not finish on all {self.world_size} ranks within "
-                                   f"{self.timeout_s} s; the pool was killed") from None
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close(kill=True)
+                    why = f"rank(s) {dead} died" if dead else f"not all ranks finished within {self.timeout_s} s"
+                    raise TimeoutError(f"{fn.__name__}: {why}; the pool was killed") from None
+                continue
             (results if ok else failures)[rank] = value
         if failures:
             raise RemoteError(failures)
