@@ -181,3 +181,21 @@ def plan_cache_layout_changes(root: str) -> dict:
         unickpt.load(os.path.join(root, f"s{i}"), out)
         loaded.append({k: (v.tensor if isinstance(v, unickpt.Shard) else v).tolist() for k, v in out.items()})
     return {"hits": hits, "loaded": loaded}
+
+
+def die_during_save(path: str, report: str) -> None:
+    """Rank 1 dies (os._exit) while its async save drains; rank 0 writes what its handle raised."""
+    rank = dist.get_rank()
+    shard = unickpt.Shard(torch.full((1 << 20,), float(rank)), (2 << 20,), offsets=(rank << 20,))
+    handle = unickpt.save(path, {"w": shard}, async_save=True)
+    if rank == 1:
+        os._exit(3)
+    try:
+        handle.wait(timeout=120)
+        msg = "no error"
+    except unickpt.SaveFailedError as e:
+        msg = f"SaveFailedError: {e}"
+    except BaseException as e:  # anything else is a bug: record its type
+        msg = f"{type(e).__name__}: {e}"
+    with open(report, "w") as f:
+        f.write(msg)

@@ -89,3 +89,15 @@ def test_plan_cache_misses_when_any_rank_changes_layout(pool, tmp_path):
         assert r["hits"][1] is False and r["hits"][2] is True
         assert r["loaded"][1] == {"w": [float(rank)] * 4, "x": [0.0, 1.0, 2.0]}
         assert r["loaded"][0] == r["loaded"][2] == {"w": [float(rank)] * 4}
+
+
+def test_rank_dying_mid_save_fails_the_survivors_cleanly(tmp_path):
+    from unickpt.testing import DistPool
+
+    path, report = str(tmp_path / "c"), tmp_path / "report.txt"
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] died"):
+        with DistPool(2, timeout_s=120) as pool:
+            pool.run(w.die_during_save, path, str(report))
+    text = report.read_text()  # the pool lets survivors finish before it kills them
+    assert text.startswith("SaveFailedError:") and "lost contact with the other ranks" in text, text
+    assert not os.path.exists(os.path.join(path, "metadata.json"))

@@ -92,17 +92,23 @@ class DistPool:
         results: dict[int, Any] = {}
         failures: dict[int, tuple[str, str, str]] = {}
         deadline = time.monotonic() + self.timeout_s
-        while len(results) + len(failures) < self.world_size:
+        dead: list[int] = []
+        while len(results) + len(failures) < self.world_size - len(dead):
             try:
                 rank, ok, value = self._outbox.get(timeout=1.0)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                if dead or time.monotonic() > deadline:
-                    self.close(kill=True)
-                    why = f"rank(s) {dead} died" if dead else f"not all ranks finished within {self.timeout_s} s"
-                    raise TimeoutError(f"{fn.__name__}: {why}; the pool was killed") from None
+                if not dead:
+                    dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                    if dead:  # give the survivors a moment to report how the death hit them
+                        deadline = min(deadline, time.monotonic() + 15.0)
+                if time.monotonic() > deadline:
+                    break
                 continue
             (results if ok else failures)[rank] = value
+        if dead or len(results) + len(failures) < self.world_size:
+            self.close(kill=True)
+            why = f"rank(s) {dead} died" if dead else f"not all ranks finished within {self.timeout_s} s"
+            raise TimeoutError(f"{fn.__name__}: {why}; the pool was killed")
         if failures:
             raise RemoteError(failures)
         return [results[r] for r in range(self.world_size)]
