@@ -12,7 +12,7 @@ from .checkpointer import Checkpointer, list_checkpoints
 from .engine import SaveHandle, SaveStats
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, FormatVersionError, IntegrityError,
                      PerRankReshardError, SaveFailedError, StateMismatchError, UnickptError, UnsafeObjectError)
-from .loading import LoadStats
+from .reader import LoadStats
 from .metadata import FORMAT_VERSION, CheckpointMetadata
 from .rng import RNGState
 from .types import PerRank, Shard

@@ -5,7 +5,7 @@ import os
 from typing import Any
 
 from .engine import SaveHandle, get_engine
-from .loading import LoadStats
+from .reader import LoadStats
 
 __all__ = ["save", "load"]
 

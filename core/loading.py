@@ -1,156 +1,141 @@
-"""Reading tensors back: every target shard gets exactly the stored bytes it overlaps.
-
-For one tensor, each stored chunk that overlaps the rank's target shard is read once: only the byte
-runs that hold overlapping elements (adjacent runs merged; ``pread`` locally, ranged reads on
-fsspec stores), into one buffer per chunk, from which each overlap is copied into the caller's
-tensor in place, with no dtype conversion.
-
-With ``verify=True`` (the default) every byte used is checked: runs are widened to whole checksum
-blocks (a chunk of at most 4 MiB is one block, so it is read whole; larger chunks have 4 MiB
-blocks) and each block read is compared with its stored checksum. ``verify=False`` reads exactly
-the bytes needed and checks nothing.
+"""Loading a checkpoint into a caller's state: key and target checks, tensor reads, objects,
+per-rank state, then ``load_state_dict`` calls. Everything is validated and decoded before the first
+byte is written into the caller's state, so a mismatch leaves the state untouched.
 """
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import torch
 
-from .codec import str_to_dtype
-from .errors import IntegrityError
-from .metadata import ChunkMeta, TensorMeta, checksum
-from .resharding import Box, FlatRange, Piece, byte_runs, chunk_pieces, intersect, row_major_strides
-from .state import TensorLeaf
+from . import codec
+from .collectives import Comm
+from .errors import IntegrityError, PerRankReshardError, StateMismatchError
+from .metadata import CheckpointMetadata, TensorMeta, read_metadata
+from .reader import LoadStats, load_tensor
+from .resharding import FlatRange
+from .state import flatten, saved_leaves
 from .storage import Storage
 
-__all__ = ["LoadStats", "load_tensor"]
+__all__ = ["load_checkpoint"]
 
 
-class LoadStats:
-    """Per-rank counters of one load: ``bytes_read`` from storage, ``reads`` (ranged requests) and
-    ``blocks_verified`` (whole small chunks or 4 MiB blocks of large ones checked against checksums)."""
+def load_checkpoint(comm: Comm, path: str, state: dict, *, strict: bool = True, storage_options: dict | None = None,
+                    allow_pickle: bool = False, verify: bool = True) -> LoadStats:
+    """Load ``path`` into ``state`` in place on this rank of ``comm``. See :func:`unickpt.load`."""
+    storage = Storage(path, storage_options)
+    meta = read_metadata(storage, path)
+    flat = flatten(state, for_load=True)
+    # tensors and per-rank entries from every rank's plan; plain objects are group rank 0's
+    _, _, saved_objects = saved_leaves(meta.state_tree)
+    saved_tensors = set(meta.tensors) | set(meta.aliases)
+    saved_per_rank = set(meta.per_rank.get("fqns", []))
+    _check_keys(flat, saved_tensors, saved_per_rank, saved_objects, strict, path)
+    # Validate and decode everything before the first byte lands in the caller's state, so a
+    # mismatch or an unsafe object leaves the state untouched.
+    reads = []
+    for fqn, leaf in flat.tensors.items():
+        if fqn in saved_tensors:
+            tmeta = meta.tensors[meta.aliases.get(fqn, fqn)]
+            _check_target(leaf, tmeta)
+            reads.append((leaf, tmeta))
+    objects = {}
+    for fqn, (container, key) in flat.objects.items():
+        if fqn in saved_objects:
+            value = codec.decode(saved_objects[fqn], allow_pickle=allow_pickle, key=fqn)
+            if isinstance(container, tuple) and container[key] != value:
+                raise StateMismatchError(
+                    f"{fqn!r}: checkpoint has {value!r}, the state has {container[key]!r} inside a tuple, "
+                    "which cannot be updated in place (use a list)"
+                )
+            objects[fqn] = (container, key, value)
+    per_rank = _per_rank_states(comm, storage, path, meta, flat.per_rank, saved_per_rank, allow_pickle)
+    stats = LoadStats()
+    for leaf, tmeta in reads:
+        if isinstance(leaf.spec, FlatRange) or leaf.spec.numel:
+            load_tensor(storage, path, leaf, tmeta, stats, verify)
+    for container, key, value in objects.values():
+        if not isinstance(container, tuple):
+            container[key] = value
+    for fqn, value in per_rank.items():
+        flat.per_rank[fqn].load_state_dict(value)
+    for apply in flat.appliers:
+        apply()
+    return stats
 
-    def __init__(self) -> None:
-        self.bytes_read = 0
-        self.reads = 0
-        self.blocks_verified = 0
+def _per_rank_states(comm: Comm, storage: Storage, path: str, meta: CheckpointMetadata, targets: dict,
+                     saved: set[str], allow_pickle: bool) -> dict[str, Any]:
+    """This rank's state for each per-rank fqn (resharded if the world size changed)."""
+    info = meta.per_rank
+    saved_ws = int(info.get("world_size", 0))
+    files: dict[int, dict] = {}
 
-    def as_dict(self) -> dict:
-        return {"bytes_read": self.bytes_read, "reads": self.reads, "blocks_verified": self.blocks_verified}
+    def rank_state(r: int) -> dict:
+        if r not in files:
+            rel = info["files"][r]
+            if rel is None:
+                raise IntegrityError(f"{path!r}: rank {r} saved no per-rank state file")
+            files[r] = json.loads(storage.read_bytes(storage.join(path, rel)))
+        return files[r]
 
-
-def _targets(leaf: TensorLeaf) -> list[tuple[Box, torch.Tensor]]:
-    """(global box, tensor view with that box's shape) for each storage-contiguous piece of the target."""
-    if isinstance(leaf.spec, Box):
-        return [(leaf.spec, leaf.local)] if leaf.spec.numel else []
-    flat = leaf.local.view(-1)  # flat targets must be contiguous (checked by the caller)
-    return [(p.box, flat[p.elem_offset : p.elem_offset + p.box.numel].view(p.box.lengths))
-            for p in chunk_pieces(leaf.spec, leaf.global_shape)]
-
-
-def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    merged: list[tuple[int, int]] = []
-    for start, length in sorted(runs):
-        if merged and start <= merged[-1][0] + merged[-1][1]:
-            end = max(merged[-1][0] + merged[-1][1], start + length)
-            merged[-1] = (merged[-1][0], end - merged[-1][0])
-        else:
-            merged.append((start, length))
-    return merged
-
-
-def _narrow(t: torch.Tensor, outer: Box, inner: Box) -> torch.Tensor:
-    for d, (o, io, il) in enumerate(zip(outer.offsets, inner.offsets, inner.lengths)):
-        t = t.narrow(d, io - o, il)
-    return t
-
-
-def load_tensor(storage: Storage, ckpt_path: str, leaf: TensorLeaf, meta: TensorMeta, stats: LoadStats,
-                verify: bool = True) -> None:
-    """Fill ``leaf.local`` from the stored chunks of ``meta``. Raises IntegrityError on corrupt data."""
-    dtype = str_to_dtype(meta.dtype)
-    isz = dtype.itemsize
-    local = leaf.local
-    staging = None
-    if isinstance(leaf.spec, FlatRange) and not local.is_contiguous():
-        staging = torch.empty(local.shape, dtype=local.dtype)
-        leaf = TensorLeaf(leaf.fqn, leaf.dtype, leaf.global_shape, staging, leaf.spec)
-    targets = _targets(leaf)
-    filled = 0
-    for chunk in meta.chunks:
-        overlaps: list[tuple[Piece, Box, Box, torch.Tensor]] = []
-        for piece in chunk_pieces(chunk.spec, meta.shape):
-            for tbox, tview in targets:
-                inter = intersect(tbox, piece.box)
-                if inter is not None:
-                    overlaps.append((piece, inter, tbox, tview))
-        if overlaps:
-            filled += _read_chunk(storage, ckpt_path, chunk, overlaps, dtype, isz, stats, verify)
-    want = leaf.spec.numel
-    if filled != want:
-        raise IntegrityError(f"{leaf.fqn!r}: stored chunks cover {filled} of the {want} elements this rank needs")
-    if staging is not None:
-        with torch.no_grad():
-            local.copy_(staging)
-
-
-def _widen_to_blocks(runs: list[tuple[int, int]], chunk: ChunkMeta) -> list[tuple[int, int]]:
-    """Runs widened to whole checksum blocks (the whole chunk if it has no blocks)."""
-    if not chunk.block_checksums:
-        return [(0, chunk.byte_length)]
-    b = chunk.block_bytes
-    return _merge([(s // b * b, min(-(-(s + n) // b) * b, chunk.byte_length) - s // b * b) for s, n in runs])
-
-
-def _verify(buf: torch.Tensor, lo: int, runs: list[tuple[int, int]], chunk: ChunkMeta, path: str) -> int:
-    """Compare every block inside ``runs`` with its checksum; returns the number of blocks checked."""
-    data = memoryview(buf.numpy())
-    if not chunk.block_checksums:
-        spans = [(0, chunk.byte_length, chunk.checksum)]
-    else:
-        b = chunk.block_bytes
-        spans = [(i * b, min(b, chunk.byte_length - i * b), chunk.block_checksums[i])
-                 for s, n in runs for i in range(s // b, -(-(s + n) // b))]
-    for start, length, want in spans:
-        got = checksum(data[start - lo : start - lo + length])
-        if got != want:
-            raise IntegrityError(
-                f"{path}: bytes [{chunk.byte_offset + start}, {chunk.byte_offset + start + length}) of chunk "
-                f"{chunk.spec} have checksum {got}, metadata says {want} (the file is corrupt)"
+    out = {}
+    for fqn, target in targets.items():
+        if fqn not in saved:
+            continue
+        if saved_ws == comm.world_size:
+            out[fqn] = codec.decode(rank_state(comm.rank)[fqn], allow_pickle=allow_pickle, key=fqn)
+            continue
+        if target.reshard is None:
+            raise PerRankReshardError(
+                f"{fqn!r}: per-rank state was saved by {saved_ws} ranks and is being loaded by "
+                f"{comm.world_size}; give PerRank(..., reshard=fn) to say how to redistribute it"
             )
-    return len(spans)
+        states = [codec.decode(rank_state(r)[fqn], allow_pickle=allow_pickle, key=fqn) for r in range(saved_ws)]
+        out[fqn] = target.reshard(states, comm.rank, comm.world_size)
+    return out
 
 
-def _read_chunk(storage: Storage, ckpt_path: str, chunk: ChunkMeta, overlaps: list, dtype: torch.dtype, isz: int,
-                stats: LoadStats, verify: bool) -> int:
-    runs = []
-    for piece, inter, _, _ in overlaps:
-        runs += [(piece.elem_offset * isz + s, n) for s, n in byte_runs(piece.box, inter, isz)]
-    runs = _merge(runs)
-    if verify:
-        runs = _widen_to_blocks(runs, chunk)
-    lo, hi = runs[0][0], runs[-1][0] + runs[-1][1]
-    if hi > chunk.byte_length:
-        raise IntegrityError(f"{chunk.file}: chunk {chunk.spec} has {chunk.byte_length} bytes, needs {hi}")
-    buf = torch.empty(hi - lo, dtype=torch.uint8)
-    path = storage.join(ckpt_path, chunk.file)
-    try:
-        storage.read_into(path, [(chunk.byte_offset + s, n) for s, n in runs], memoryview(buf.numpy()),
-                          base=chunk.byte_offset + lo)
-    except EOFError as e:
-        raise IntegrityError(f"truncated checkpoint file: {e}") from e
-    except FileNotFoundError as e:
-        raise IntegrityError(f"checkpoint data file {path!r} is missing (the checkpoint is damaged)") from e
-    stats.bytes_read += sum(n for _, n in runs)
-    stats.reads += len(runs)
-    if verify:
-        stats.blocks_verified += _verify(buf, lo, runs, chunk, path)
-    typed = buf.view(dtype)
-    base_elem = lo // isz
-    filled = 0
-    with torch.no_grad():
-        for piece, inter, tbox, tview in overlaps:
-            strides = row_major_strides(piece.box.lengths)
-            first = piece.elem_offset + sum((o - po) * s for o, po, s in zip(inter.offsets, piece.box.offsets, strides))
-            src = typed.as_strided(inter.lengths, strides, first - base_elem)
-            _narrow(tview, tbox, inter).copy_(src)
-            filled += inter.numel
-    return filled
+def _check_target(leaf: Any, tmeta: TensorMeta) -> None:
+    """Raise StateMismatchError unless ``leaf`` can take the stored tensor as it is."""
+    fqn, t = leaf.fqn, leaf.local
+    got_dtype, got_shape = codec.dtype_to_str(leaf.dtype), tuple(leaf.global_shape)
+    if (got_dtype, got_shape) != (tmeta.dtype, tmeta.shape):
+        raise StateMismatchError(
+            f"{fqn!r}: checkpoint has dtype {tmeta.dtype} shape {list(tmeta.shape)}, the state to "
+            f"load into has dtype {got_dtype} shape {list(got_shape)} (no implicit cast or reshape)"
+        )
+    if t.device.type == "meta":
+        raise StateMismatchError(f"{fqn!r}: the tensor to load into is on the meta device (no storage); "
+                                 "materialize it first (e.g. model.to_empty(device=...))")
+    if t.layout != torch.strided:
+        raise StateMismatchError(f"{fqn!r}: tensor layout {t.layout} is not supported (dense tensors only)")
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        raise StateMismatchError(f"{fqn!r}: the tensor to load into is an expanded view (stride 0, "
+                                 f"shape {list(t.shape)}, stride {list(t.stride())}); its elements share memory")
+
+
+def _check_keys(flat, saved_tensors: set, saved_per_rank: set, saved_objects: dict, strict: bool, path: str) -> None:
+    kinds_target = {**{f: "tensor" for f in flat.tensors}, **{f: "per-rank object" for f in flat.per_rank},
+                    **{f: "object" for f in flat.objects}}
+    kinds_saved = {**{f: "tensor" for f in saved_tensors}, **{f: "per-rank object" for f in saved_per_rank},
+                   **{f: "object" for f in saved_objects}}
+    wrong_kind = [f"{f!r} (checkpoint: {kinds_saved[f]}, state: {k})" for f, k in kinds_target.items()
+                  if f in kinds_saved and kinds_saved[f] != k]
+    if wrong_kind:
+        raise StateMismatchError(f"{path!r}: entries of another kind: " + ", ".join(sorted(wrong_kind)[:20]))
+    if not strict:
+        return
+    missing = sorted(set(kinds_target) - set(kinds_saved))
+    unexpected = sorted(set(kinds_saved) - set(kinds_target))
+    if missing or unexpected:
+        def show(keys: list[str]) -> str:
+            return ", ".join(repr(k) for k in keys[:20]) + (f" ... ({len(keys)} in all)" if len(keys) > 20 else "")
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {show(missing)}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in the state: {show(unexpected)}")
+        raise StateMismatchError(f"{path!r}: keys differ (strict=True); " + "; ".join(parts))
+
+
