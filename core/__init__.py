@@ -11,7 +11,7 @@ from .api import load, save
 from .checkpointer import Checkpointer, list_checkpoints
 from .engine import SaveHandle, SaveStats
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, FormatVersionError, IntegrityError,
-                     PerRankReshardError, SaveFailedError, StateMismatchError, UnickptError, UnsafeObjectError)
+                     LoadFailedError, PerRankReshardError, SaveFailedError, StateMismatchError, UnickptError, UnsafeObjectError)
 from .reader import LoadStats
 from .metadata import FORMAT_VERSION, CheckpointMetadata
 from .rng import RNGState
@@ -41,4 +41,5 @@ __all__ = [
     "PerRankReshardError",
     "UnsafeObjectError",
     "SaveFailedError",
+    "LoadFailedError",
 ]

@@ -15,6 +15,7 @@ __all__ = [
     "PerRankReshardError",
     "UnsafeObjectError",
     "SaveFailedError",
+    "LoadFailedError",
 ]
 
 
@@ -61,6 +62,22 @@ class SaveFailedError(UnickptError, RuntimeError):
         self.path = path
         self.failures = dict(failures)
         lines = [f"save to {path!r} failed on rank(s) {sorted(failures)}; nothing was committed"]
+        for rank in sorted(failures):
+            lines.append(f"--- rank {rank} ---\n{failures[rank].rstrip()}")
+        super().__init__("\n".join(lines))
+
+
+class LoadFailedError(UnickptError, RuntimeError):
+    """A load failed on one or more ranks with different errors.
+
+    Attributes:
+        failures: ``{rank: "<formatted traceback>"}`` for every rank that failed.
+    """
+
+    def __init__(self, path: str, failures: dict[int, str]):
+        self.path = path
+        self.failures = dict(failures)
+        lines = [f"load of {path!r} failed on rank(s) {sorted(failures)}"]
         for rank in sorted(failures):
             lines.append(f"--- rank {rank} ---\n{failures[rank].rstrip()}")
         super().__init__("\n".join(lines))

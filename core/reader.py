@@ -1,52 +1,106 @@
-"""Reading tensors back: every target shard gets exactly the stored bytes it overlaps.
+"""This rank's side of a load: which stored bytes its target shards overlap, reading and verifying
+byte ranges, and copying them into the caller's tensors in place (no dtype conversion).
 
-For one tensor, each stored chunk that overlaps the rank's target shard is read once: only the byte
-runs that hold overlapping elements (adjacent runs merged; ``pread`` locally, ranged reads on
-fsspec stores), into one buffer per chunk, from which each overlap is copied into the caller's
-tensor in place, with no dtype conversion.
-
-With ``verify=True`` (the default) every byte used is checked: runs are widened to whole checksum
-blocks (a chunk of at most 4 MiB is one block, so it is read whole; larger chunks have 4 MiB
-blocks) and each block read is compared with its stored checksum. ``verify=False`` reads exactly
-the bytes needed and checks nothing.
+Per stored chunk, a rank needs only the byte runs holding elements that overlap its target shard
+(adjacent runs merged). With ``verify=True`` (the default) every byte used is checked: runs are
+widened to whole checksum blocks (a chunk of at most 4 MiB is one block, so it is read whole; larger
+chunks have 4 MiB blocks) and each block read is compared with its stored checksum. ``verify=False``
+reads exactly the bytes needed and checks nothing. Who reads which range is decided job-wide by
+:mod:`unickpt.read_plan`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from .codec import str_to_dtype
 from .errors import IntegrityError
-from .metadata import ChunkMeta, TensorMeta, checksum
+from .metadata import ChunkMeta, checksum
 from .resharding import Box, FlatRange, Piece, byte_runs, chunk_pieces, intersect, row_major_strides
 from .state import TensorLeaf
 from .storage import Storage
 
-__all__ = ["LoadStats", "load_tensor"]
+__all__ = ["LoadStats", "Overlap", "TargetReads", "merge_ranges", "widen_to_blocks", "verify_ranges",
+           "read_ranges", "copy_overlaps"]
 
 
+@dataclass
 class LoadStats:
-    """Per-rank counters of one load: ``bytes_read`` from storage, ``reads`` (ranged requests) and
-    ``blocks_verified`` (whole small chunks or 4 MiB blocks of large ones checked against checksums)."""
+    """Per-rank counters (bytes) and timings (seconds) of one load."""
 
-    def __init__(self) -> None:
-        self.bytes_read = 0
-        self.reads = 0
-        self.blocks_verified = 0
+    bytes_read: int = 0  # from storage, by this rank
+    reads: int = 0  # ranged read requests
+    blocks_verified: int = 0  # small chunks or 4 MiB blocks of large ones checked against checksums
+    bytes_received: int = 0  # over the process group, read by other ranks
+    bytes_sent: int = 0
+    plan_cache_hit: bool = False
+    rounds: int = 0  # read/exchange rounds (bounded read buffer)
+    peak_buffer_bytes: int = 0
+    plan_s: float = 0.0
+    read_s: float = 0.0  # reads and exchange, overlapped
+    copy_s: float = 0.0
+    total_s: float = 0.0
 
     def as_dict(self) -> dict:
-        return {"bytes_read": self.bytes_read, "reads": self.reads, "blocks_verified": self.blocks_verified}
+        return dict(self.__dict__)
 
 
-def _targets(leaf: TensorLeaf) -> list[tuple[Box, torch.Tensor]]:
+@dataclass
+class Overlap:
+    """Elements ``inter`` (a global box) of a stored piece, to be copied into ``target`` (a view of the
+    caller's tensor whose global box is ``tbox``)."""
+
+    piece: Piece
+    inter: Box
+    tbox: Box
+    target: torch.Tensor
+    fqn: str
+
+
+@dataclass
+class TargetReads:
+    """Everything this rank needs from storage: per chunk id, its overlaps and byte ranges."""
+
+    overlaps: dict[int, list[Overlap]] = field(default_factory=dict)
+    ranges: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    expected: dict[str, int] = field(default_factory=dict)  # fqn -> elements to fill
+    fixups: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (staging, caller's tensor)
+
+    def add(self, leaf: TensorLeaf, shape: tuple[int, ...], chunks: list[tuple[int, ChunkMeta]], isz: int,
+            verify: bool) -> None:
+        """Record what ``leaf`` needs from ``chunks`` (``(chunk id, chunk)`` of its stored tensor)."""
+        if isinstance(leaf.spec, FlatRange) and not leaf.local.is_contiguous():
+            staging = torch.empty(leaf.local.shape, dtype=leaf.local.dtype)
+            self.fixups.append((staging, leaf.local))
+            leaf = TensorLeaf(leaf.fqn, leaf.dtype, leaf.global_shape, staging, leaf.spec)
+        self.expected[leaf.fqn] = leaf.spec.numel
+        targets = _target_views(leaf)
+        for cid, chunk in chunks:
+            found = []
+            for piece in chunk_pieces(chunk.spec, shape):
+                for tbox, view in targets:
+                    inter = intersect(tbox, piece.box)
+                    if inter is not None:
+                        found.append(Overlap(piece, inter, tbox, view, leaf.fqn))
+            if not found:
+                continue
+            runs = [(o.piece.elem_offset * isz + s, n) for o in found for s, n in byte_runs(o.piece.box, o.inter, isz)]
+            self.overlaps.setdefault(cid, []).extend(found)
+            ranges = merge_ranges(self.ranges.get(cid, []) + runs)
+            self.ranges[cid] = widen_to_blocks(ranges, chunk) if verify else ranges
+
+
+def _target_views(leaf: TensorLeaf) -> list[tuple[Box, torch.Tensor]]:
     """(global box, tensor view with that box's shape) for each storage-contiguous piece of the target."""
     if isinstance(leaf.spec, Box):
         return [(leaf.spec, leaf.local)] if leaf.spec.numel else []
-    flat = leaf.local.view(-1)  # flat targets must be contiguous (checked by the caller)
+    flat = leaf.local.view(-1)
     return [(p.box, flat[p.elem_offset : p.elem_offset + p.box.numel].view(p.box.lengths))
             for p in chunk_pieces(leaf.spec, leaf.global_shape)]
 
 
-def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def merge_ranges(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, non-overlapping ``(start, length)`` ranges covering the same bytes (touching ones joined)."""
     merged: list[tuple[int, int]] = []
     for start, length in sorted(runs):
         if merged and start <= merged[-1][0] + merged[-1][1]:
@@ -57,58 +111,24 @@ def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def _narrow(t: torch.Tensor, outer: Box, inner: Box) -> torch.Tensor:
-    for d, (o, io, il) in enumerate(zip(outer.offsets, inner.offsets, inner.lengths)):
-        t = t.narrow(d, io - o, il)
-    return t
-
-
-def load_tensor(storage: Storage, ckpt_path: str, leaf: TensorLeaf, meta: TensorMeta, stats: LoadStats,
-                verify: bool = True) -> None:
-    """Fill ``leaf.local`` from the stored chunks of ``meta``. Raises IntegrityError on corrupt data."""
-    dtype = str_to_dtype(meta.dtype)
-    isz = dtype.itemsize
-    local = leaf.local
-    staging = None
-    if isinstance(leaf.spec, FlatRange) and not local.is_contiguous():
-        staging = torch.empty(local.shape, dtype=local.dtype)
-        leaf = TensorLeaf(leaf.fqn, leaf.dtype, leaf.global_shape, staging, leaf.spec)
-    targets = _targets(leaf)
-    filled = 0
-    for chunk in meta.chunks:
-        overlaps: list[tuple[Piece, Box, Box, torch.Tensor]] = []
-        for piece in chunk_pieces(chunk.spec, meta.shape):
-            for tbox, tview in targets:
-                inter = intersect(tbox, piece.box)
-                if inter is not None:
-                    overlaps.append((piece, inter, tbox, tview))
-        if overlaps:
-            filled += _read_chunk(storage, ckpt_path, chunk, overlaps, dtype, isz, stats, verify)
-    want = leaf.spec.numel
-    if filled != want:
-        raise IntegrityError(f"{leaf.fqn!r}: stored chunks cover {filled} of the {want} elements this rank needs")
-    if staging is not None:
-        with torch.no_grad():
-            local.copy_(staging)
-
-
-def _widen_to_blocks(runs: list[tuple[int, int]], chunk: ChunkMeta) -> list[tuple[int, int]]:
-    """Runs widened to whole checksum blocks (the whole chunk if it has no blocks)."""
+def widen_to_blocks(ranges: list[tuple[int, int]], chunk: ChunkMeta) -> list[tuple[int, int]]:
+    """Ranges widened to whole checksum blocks (the whole chunk if it has no blocks)."""
     if not chunk.block_checksums:
         return [(0, chunk.byte_length)]
     b = chunk.block_bytes
-    return _merge([(s // b * b, min(-(-(s + n) // b) * b, chunk.byte_length) - s // b * b) for s, n in runs])
+    return merge_ranges([(s // b * b, min(-(-(s + n) // b) * b, chunk.byte_length) - s // b * b) for s, n in ranges])
 
 
-def _verify(buf: torch.Tensor, lo: int, runs: list[tuple[int, int]], chunk: ChunkMeta, path: str) -> int:
-    """Compare every block inside ``runs`` with its checksum; returns the number of blocks checked."""
+def verify_ranges(buf: torch.Tensor, lo: int, ranges: list[tuple[int, int]], chunk: ChunkMeta, path: str) -> int:
+    """Compare every checksum block inside ``ranges`` (block-aligned) with the metadata; ``buf[i]``
+    holds chunk byte ``lo + i``. Returns the number of blocks checked. Raises IntegrityError."""
     data = memoryview(buf.numpy())
     if not chunk.block_checksums:
         spans = [(0, chunk.byte_length, chunk.checksum)]
     else:
         b = chunk.block_bytes
         spans = [(i * b, min(b, chunk.byte_length - i * b), chunk.block_checksums[i])
-                 for s, n in runs for i in range(s // b, -(-(s + n) // b))]
+                 for s, n in ranges for i in range(s // b, -(-(s + n) // b))]
     for start, length, want in spans:
         got = checksum(data[start - lo : start - lo + length])
         if got != want:
@@ -119,38 +139,37 @@ def _verify(buf: torch.Tensor, lo: int, runs: list[tuple[int, int]], chunk: Chun
     return len(spans)
 
 
-def _read_chunk(storage: Storage, ckpt_path: str, chunk: ChunkMeta, overlaps: list, dtype: torch.dtype, isz: int,
-                stats: LoadStats, verify: bool) -> int:
-    runs = []
-    for piece, inter, _, _ in overlaps:
-        runs += [(piece.elem_offset * isz + s, n) for s, n in byte_runs(piece.box, inter, isz)]
-    runs = _merge(runs)
-    if verify:
-        runs = _widen_to_blocks(runs, chunk)
-    lo, hi = runs[0][0], runs[-1][0] + runs[-1][1]
+def read_ranges(storage: Storage, path: str, chunk: ChunkMeta, ranges: list[tuple[int, int]], buf: torch.Tensor,
+                lo: int) -> int:
+    """Read chunk-relative ``ranges`` of ``chunk`` (in file ``path``) into ``buf`` (``buf[i]`` = chunk byte
+    ``lo + i``). Returns bytes read. Raises IntegrityError for a missing, short or out-of-range file."""
+    hi = max(s + n for s, n in ranges)
     if hi > chunk.byte_length:
         raise IntegrityError(f"{chunk.file}: chunk {chunk.spec} has {chunk.byte_length} bytes, needs {hi}")
-    buf = torch.empty(hi - lo, dtype=torch.uint8)
-    path = storage.join(ckpt_path, chunk.file)
     try:
-        storage.read_into(path, [(chunk.byte_offset + s, n) for s, n in runs], memoryview(buf.numpy()),
+        storage.read_into(path, [(chunk.byte_offset + s, n) for s, n in ranges], memoryview(buf.numpy()),
                           base=chunk.byte_offset + lo)
     except EOFError as e:
         raise IntegrityError(f"truncated checkpoint file: {e}") from e
     except FileNotFoundError as e:
         raise IntegrityError(f"checkpoint data file {path!r} is missing (the checkpoint is damaged)") from e
-    stats.bytes_read += sum(n for _, n in runs)
-    stats.reads += len(runs)
-    if verify:
-        stats.blocks_verified += _verify(buf, lo, runs, chunk, path)
+    return sum(n for _, n in ranges)
+
+
+def copy_overlaps(buf: torch.Tensor, lo: int, overlaps: list[Overlap], dtype: torch.dtype) -> int:
+    """Copy each overlap from ``buf`` (chunk bytes from ``lo``) into its target view; returns elements copied."""
+    isz = dtype.itemsize
     typed = buf.view(dtype)
     base_elem = lo // isz
     filled = 0
     with torch.no_grad():
-        for piece, inter, tbox, tview in overlaps:
-            strides = row_major_strides(piece.box.lengths)
-            first = piece.elem_offset + sum((o - po) * s for o, po, s in zip(inter.offsets, piece.box.offsets, strides))
-            src = typed.as_strided(inter.lengths, strides, first - base_elem)
-            _narrow(tview, tbox, inter).copy_(src)
-            filled += inter.numel
+        for o in overlaps:
+            strides = row_major_strides(o.piece.box.lengths)
+            first = o.piece.elem_offset + sum((a - p) * s for a, p, s in zip(o.inter.offsets, o.piece.box.offsets, strides))
+            src = typed.as_strided(o.inter.lengths, strides, first - base_elem)
+            dst = o.target
+            for d, (t0, i0, n) in enumerate(zip(o.tbox.offsets, o.inter.offsets, o.inter.lengths)):
+                dst = dst.narrow(d, i0 - t0, n)
+            dst.copy_(src)
+            filled += o.inter.numel
     return filled
