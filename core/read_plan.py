@@ -3,7 +3,8 @@
 Each rank states, per stored chunk, the byte ranges it needs (already widened to checksum blocks when
 verifying). :func:`make_read_plan` cuts each chunk at every range boundary of every rank into
 *segments* with a constant set of ranks needing them, gives each segment to one of those ranks (the
-reader; the one with the fewest bytes assigned so far, largest segments first), and merges adjacent
+reader: a sole needer reads its own; shared segments, largest first, go to the needer with the fewest
+bytes assigned so far), and merges adjacent
 segments with the same reader and the same needers. Readers send each segment to the other ranks
 that need it (see :mod:`unickpt.loading`), so storage traffic for state that every rank needs falls
 from ``ranks x bytes`` to ``bytes`` (ByteCheckpoint, NSDI '25, section on load-time redistribution).
@@ -55,7 +56,8 @@ def make_read_plan(needs: list[dict[int, Ranges]]) -> list[Segment]:
                 pieces.append((cid, a, b - a, who))
     load: dict[int, int] = {}
     reader_of: dict[int, int] = {}
-    for i in sorted(range(len(pieces)), key=lambda i: (-pieces[i][2], i)):
+    # segments only one rank needs are that rank's to read: count them first, then balance the shared ones
+    for i in sorted(range(len(pieces)), key=lambda i: (len(pieces[i][3]) > 1, -pieces[i][2], i)):
         who = pieces[i][3]
         reader = min(who, key=lambda r: (load.get(r, 0), r))
         reader_of[i] = reader

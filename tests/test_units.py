@@ -133,3 +133,20 @@ def test_replicas_go_to_ranks_with_less_unshared_data():
              _plan(1, {"own": ("float32", (64,), None), "rep": ("float32", (8,), Box((0,), (8,)))})]
     plan = make_global_plan(plans)
     assert {c.fqn: c.writer for c in plan.chunks} == {"own": 0, "rep": 1}
+
+
+def test_read_plan_splits_shared_ranges_and_balances_readers():
+    from unickpt.read_plan import batches, make_read_plan
+
+    # chunk 0 (100 B): rank 0 needs [0, 60), rank 1 needs [40, 100); chunk 1: both need all 80 B
+    needs = [{0: [(0, 60)], 1: [(0, 80)]}, {0: [(40, 60)], 1: [(0, 80)]}]
+    segs = make_read_plan(needs)
+    got = [(s.chunk_id, s.start, s.length, s.needers) for s in segs]
+    assert got == [(0, 0, 40, (0,)), (0, 40, 20, (0, 1)), (0, 60, 40, (1,)), (1, 0, 80, (0, 1))]
+    assert segs[0].reader == 0 and segs[2].reader == 1  # sole needers read their own bytes
+    load = {0: 0, 1: 0}
+    for s in segs:
+        load[s.reader] += s.length
+    assert sum(load.values()) == 100 + 80 and sorted(load.values()) == [60, 120]  # once each; 120 is optimal here
+    assert [len(b) for b in batches(segs, {0: 100, 1: 80}, budget_bytes=120)] == [3, 1]
+    assert [len(b) for b in batches(segs, {0: 100, 1: 80}, budget_bytes=1000)] == [4]
