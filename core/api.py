@@ -40,11 +40,13 @@ def save(path: str | os.PathLike, state: dict, *, async_save: bool = False, proc
 
 
 def load(path: str | os.PathLike, state: dict, *, strict: bool = True, process_group: Any = None,
-         storage_options: dict | None = None, allow_pickle: bool = False, verify: bool = True) -> LoadStats:
+         storage_options: dict | None = None, allow_pickle: bool = False, verify: bool = True,
+         redistribute: bool | None = None) -> LoadStats:
     """Load the checkpoint at ``path`` into ``state`` in place, resharding to the current layout.
 
-    Tensors (and DTensor / Shard local shards) are filled in place from exactly the stored byte
-    ranges that overlap them, whatever the world size or placements at save time; non-tensor
+    Collective over ``process_group``. Tensors (and DTensor / Shard local shards) are filled in
+    place from exactly the stored byte ranges that overlap them, whatever the world size or
+    placements at save time; non-tensor
     leaves are replaced in their dicts; modules, optimizers and stateful objects get
     ``load_state_dict``; :class:`~unickpt.PerRank` state is restored per rank.
 
@@ -52,18 +54,25 @@ def load(path: str | os.PathLike, state: dict, *, strict: bool = True, process_g
         strict: missing or unexpected keys are errors (else only common keys are loaded).
         allow_pickle: allow objects that were stored as pickles (arbitrary classes) to be
             unpickled. Off by default: unpickling can execute code.
-        verify: check the checksum of every chunk that is read whole.
+        verify: check every byte used against its checksum block (partial reads are widened to
+            whole blocks of at least 1 MiB; small chunks are read whole).
+        redistribute: read each stored byte once job-wide and send it over the group to the other
+            ranks that need it (zero-redundancy loading). Default: on for remote (fsspec) storage or
+            ranks on several hosts, off for local storage on one host, where the page cache already
+            reads each byte from the device once. ``UNICKPT_LOAD_REDISTRIBUTE=0/1`` overrides.
 
     Returns:
-        this rank's :class:`~unickpt.loading.LoadStats` (bytes read, read requests).
+        this rank's :class:`~unickpt.LoadStats` (bytes read from storage, bytes received and sent
+        over the group, read requests, seconds per stage).
 
     Raises:
         CheckpointNotFoundError: no ``metadata.json`` (an uncommitted or missing checkpoint).
         FormatVersionError: an unknown format version.
         StateMismatchError: keys, dtypes or shapes differ (dtype and shape are never converted).
         PerRankReshardError: per-rank state saved at another world size without a reshard rule.
-        IntegrityError: a checksum mismatch or a truncated file.
+        IntegrityError: a checksum mismatch, a truncated or missing file, malformed metadata.
+        LoadFailedError: ranks failed with different errors (each rank's traceback attached).
         UnsafeObjectError: a pickled object and ``allow_pickle=False``.
     """
     return get_engine(process_group).load(os.fspath(path), state, strict=strict, storage_options=storage_options,
-                                          allow_pickle=allow_pickle, verify=verify)
+                                          allow_pickle=allow_pickle, verify=verify, redistribute=redistribute)

@@ -386,11 +386,11 @@ class Engine:
 
     # -- load -------------------------------------------------------------------------------------
     def load(self, path: str, state: dict, *, strict: bool = True, storage_options: dict | None = None,
-             allow_pickle: bool = False, verify: bool = True) -> LoadStats:
+             allow_pickle: bool = False, verify: bool = True, redistribute: bool | None = None) -> LoadStats:
         """Wait for this engine's pending saves, then load ``path`` into ``state`` (see :func:`unickpt.load`)."""
         self.wait()
         return load_checkpoint(self.comm, str(path), state, strict=strict, storage_options=storage_options,
-                               allow_pickle=allow_pickle, verify=verify)
+                               allow_pickle=allow_pickle, verify=verify, redistribute=redistribute)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def broadcast(self, obj: Any) -> Any:

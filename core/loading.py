@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import time
 import traceback
 import weakref
@@ -37,7 +38,7 @@ DEFAULT_READ_THREADS = 4  # ranged reads in flight per rank; UNICKPT_READ_THREAD
 
 
 def load_checkpoint(comm: Comm, path: str, state: dict, *, strict: bool = True, storage_options: dict | None = None,
-                    allow_pickle: bool = False, verify: bool = True) -> LoadStats:
+                    allow_pickle: bool = False, verify: bool = True, redistribute: bool | None = None) -> LoadStats:
     """Load ``path`` into ``state`` in place on this rank of ``comm`` (collective). See :func:`unickpt.load`.
 
     Call sequence (every rank): read the metadata, check and decode everything locally; gather a
@@ -84,9 +85,14 @@ def load_checkpoint(comm: Comm, path: str, state: dict, *, strict: bool = True, 
         signature = _needs_signature(need, table)
     except Exception as e:  # every rank must still join the gather, or the others hang
         local_error = e
-    gathered = comm.all_gather((signature, _failure(local_error)), comm.plan_group)
+    gathered = comm.all_gather((signature, _failure(local_error), socket.gethostname()), comm.plan_group)
     _raise_failures(path, [g[1] for g in gathered], local_error)
-    segments = _read_plan(comm, need, gathered, stats)
+    stats.redistributed = _should_redistribute(redistribute, storage, {g[2] for g in gathered})
+    if stats.redistributed:
+        segments = _read_plan(comm, need, gathered, stats)
+    else:  # every rank reads its own needs; segments keep the same shape, with only this rank in them
+        segments = [Segment(i, cid, s, n, comm.rank, (comm.rank,))
+                    for i, (cid, s, n) in enumerate((cid, s, n) for cid, rs in sorted(need.ranges.items()) for s, n in rs)]
     stats.plan_s = time.perf_counter() - t0
     t_read = time.perf_counter()
     filled = _read_and_exchange(comm, storage, path, table, need, segments, verify, stats)
@@ -106,6 +112,20 @@ def load_checkpoint(comm: Comm, path: str, state: dict, *, strict: bool = True, 
         apply()
     stats.total_s = time.perf_counter() - t0
     return stats
+
+
+def _should_redistribute(requested: bool | None, storage: Storage, hosts: set[str]) -> bool:
+    """Read each byte once job-wide and redistribute over the group (True), or let every rank read
+    what it needs (False). Default (None, or ``UNICKPT_LOAD_REDISTRIBUTE`` = 0/1): redistribute when
+    the storage is remote (fsspec URL) or the ranks span several hosts; on one host with local
+    storage the kernel's page cache already reads each stored byte from the device once, and copying
+    it between processes over the network stack only adds work (measured in benchmarks/load_bench.py).
+    """
+    if requested is None and os.environ.get("UNICKPT_LOAD_REDISTRIBUTE") in ("0", "1"):
+        requested = os.environ["UNICKPT_LOAD_REDISTRIBUTE"] == "1"
+    if requested is not None:
+        return requested
+    return not storage.is_local or len(hosts) > 1
 
 
 class _ChunkTable:
@@ -159,15 +179,19 @@ def _read_and_exchange(comm: Comm, storage: Storage, path: str, table: _ChunkTab
     budget = int(os.environ.get("UNICKPT_LOAD_BUFFER_BYTES", DEFAULT_READ_BUFFER_BYTES))
     sizes = {cid: table.chunks[cid][0].byte_length for cid in {s.chunk_id for s in segments}}
     threads = int(os.environ.get("UNICKPT_READ_THREADS", DEFAULT_READ_THREADS))
+    error: BaseException | None = None
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="unickpt-read") as pool:
         for round_segments in batches(segments, sizes, budget):
             stats.rounds += 1
             buffers: dict[int, tuple[torch.Tensor, int]] = {}
             for cid in dict.fromkeys(s.chunk_id for s in round_segments):
-                if cid in need.ranges:
+                if cid in need.direct:
+                    buffers[cid] = (need.direct[cid], 0)
+                elif cid in need.ranges:
                     rs = need.ranges[cid]
                     buffers[cid] = (torch.empty(rs[-1][0] + rs[-1][1] - rs[0][0], dtype=torch.uint8), rs[0][0])
-            stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, sum(b.numel() for b, _ in buffers.values()))
+            stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, sum(
+                b.numel() for cid, (b, _) in buffers.items() if cid not in need.direct))
 
             def view(seg: Segment) -> torch.Tensor:
                 buf, lo = buffers[seg.chunk_id]
@@ -189,7 +213,6 @@ def _read_and_exchange(comm: Comm, storage: Storage, path: str, table: _ChunkTab
                 return nbytes, (verify_ranges(buf, lo, span, chunk, file) if verify else 0)
 
             mine = {pool.submit(read, job): job for job in _coalesce([s for s in round_segments if s.reader == me])}
-            error: BaseException | None = None
             for fut in as_completed(mine):
                 try:
                     nbytes, blocks = fut.result()
@@ -205,12 +228,19 @@ def _read_and_exchange(comm: Comm, storage: Storage, path: str, table: _ChunkTab
                             stats.bytes_sent += seg.length
             for w in works:
                 w.wait()
-            _raise_failures(path, [f for f in comm.all_gather(_failure(error), comm.plan_group)], error)
+            if error is not None:  # keep serving the peers in later rounds; copy nothing; report at the end
+                continue
             t_copy = time.perf_counter()
             for cid, (buf, lo) in buffers.items():
+                if cid in need.direct:  # already in place
+                    o = need.overlaps[cid][0]
+                    filled[o.fqn] = filled.get(o.fqn, 0) + o.inter.numel
+                    continue
                 for fqn, n in _copy(buf, lo, need.overlaps.get(cid, []), table.chunks[cid][1]).items():
                     filled[fqn] = filled.get(fqn, 0) + n
             stats.copy_s += time.perf_counter() - t_copy
+    if comm.world_size > 1 or error is not None:
+        _raise_failures(path, comm.all_gather(_failure(error), comm.plan_group), error)
     return filled
 
 

@@ -9,7 +9,7 @@ Format version 1 (see DESIGN.md, "On-disk format")::
                        "chunks": [{"offsets": [0, 0], "lengths": [1024, 4096]   # or flat_start/flat_length
                                    "file": "data/0_0.bin", "byte_offset": 0, "byte_length": 8388608,
                                    "checksum": "xxh3_64:9f0c...",
-                                   # chunks > 4 MiB also: "block_bytes": 4194304, "block_checksums": [...]
+                                   # chunks > 1 MiB also: "block_bytes": 1048576, "block_checksums": [...]
                                    }]}},
      "aliases": {fqn: fqn_it_shares_storage_with},
      "state_tree": <tagged JSON of the state's structure and plain values>,
@@ -50,9 +50,11 @@ __all__ = [
 FORMAT_NAME = "unickpt"
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
-CHECKSUM_BLOCK_BYTES = 4 << 20
-"""Chunks larger than this also get one checksum per block of this many bytes, so that a partial
-read (resharding) can be verified by reading only the blocks it touches."""
+CHECKSUM_BLOCK_BYTES = 1 << 20
+"""Chunks larger than this get one checksum per block (at least this many bytes, and large enough that
+a chunk has at most ``MAX_BLOCKS_PER_CHUNK`` blocks), so that a partial read (resharding) is verified
+by reading only the blocks it touches, while metadata stays small."""
+MAX_BLOCKS_PER_CHUNK = 64
 
 
 def _check_relpath(rel: Any, source: str) -> str:
@@ -68,14 +70,25 @@ def checksum(buf: Any) -> str:
     return "xxh3_64:" + xxhash.xxh3_64_hexdigest(buf)
 
 
-def chunk_checksums(buf: memoryview, block_bytes: int = CHECKSUM_BLOCK_BYTES) -> tuple[str, tuple[str, ...], int]:
-    """``(checksum, block checksums, block size)`` of a chunk's bytes.
+def block_size(nbytes: int) -> int:
+    """Checksum block size for a chunk of ``nbytes``: ``CHECKSUM_BLOCK_BYTES``, doubled until the
+    chunk has at most ``MAX_BLOCKS_PER_CHUNK`` blocks."""
+    b = CHECKSUM_BLOCK_BYTES
+    while -(-nbytes // b) > MAX_BLOCKS_PER_CHUNK:
+        b *= 2
+    return b
 
-    A chunk of at most ``block_bytes`` has one checksum over its bytes and no blocks. A larger
-    chunk has one checksum per ``block_bytes`` block (the last may be short), and its chunk
-    checksum is the checksum of the block checksums joined by commas.
+
+def chunk_checksums(buf: memoryview, block_bytes: int | None = None) -> tuple[str, tuple[str, ...], int]:
+    """``(checksum, block checksums, block size)`` of a chunk's bytes (xxh3-64).
+
+    A chunk of at most ``CHECKSUM_BLOCK_BYTES`` has one checksum over its bytes and no blocks. A
+    larger chunk has one checksum per block of ``block_size(nbytes)`` bytes (the last may be short),
+    and its chunk checksum is the checksum of the block checksums joined by commas.
     """
-    if buf.nbytes <= block_bytes:
+    if block_bytes is None:
+        block_bytes = block_size(buf.nbytes)
+    if buf.nbytes <= CHECKSUM_BLOCK_BYTES:
         return checksum(buf), (), 0
     blocks = tuple(checksum(buf[i : i + block_bytes]) for i in range(0, buf.nbytes, block_bytes))
     return checksum(",".join(blocks).encode()), blocks, block_bytes

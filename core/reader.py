@@ -3,8 +3,8 @@ byte ranges, and copying them into the caller's tensors in place (no dtype conve
 
 Per stored chunk, a rank needs only the byte runs holding elements that overlap its target shard
 (adjacent runs merged). With ``verify=True`` (the default) every byte used is checked: runs are
-widened to whole checksum blocks (a chunk of at most 4 MiB is one block, so it is read whole; larger
-chunks have 4 MiB blocks) and each block read is compared with its stored checksum. ``verify=False``
+widened to whole checksum blocks (a chunk of at most 1 MiB is one block, so it is read whole; larger
+chunks have blocks of at least 1 MiB, at most 64 per chunk) and each block read is compared with its stored checksum. ``verify=False``
 reads exactly the bytes needed and checks nothing. Who reads which range is decided job-wide by
 :mod:`unickpt.read_plan`.
 """
@@ -30,10 +30,11 @@ class LoadStats:
 
     bytes_read: int = 0  # from storage, by this rank
     reads: int = 0  # ranged read requests
-    blocks_verified: int = 0  # small chunks or 4 MiB blocks of large ones checked against checksums
+    blocks_verified: int = 0  # small chunks, or blocks of large ones, checked against checksums
     bytes_received: int = 0  # over the process group, read by other ranks
     bytes_sent: int = 0
     plan_cache_hit: bool = False
+    redistributed: bool = False  # read once job-wide and redistributed (see loading._should_redistribute)
     rounds: int = 0  # read/exchange rounds (bounded read buffer)
     peak_buffer_bytes: int = 0
     plan_s: float = 0.0
@@ -64,6 +65,7 @@ class TargetReads:
     overlaps: dict[int, list[Overlap]] = field(default_factory=dict)
     ranges: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     expected: dict[str, int] = field(default_factory=dict)  # fqn -> elements to fill
+    direct: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk id -> the target's own bytes
     fixups: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (staging, caller's tensor)
 
     def add(self, leaf: TensorLeaf, shape: tuple[int, ...], chunks: list[tuple[int, ChunkMeta]], isz: int,
@@ -85,9 +87,29 @@ class TargetReads:
             if not found:
                 continue
             runs = [(o.piece.elem_offset * isz + s, n) for o in found for s, n in byte_runs(o.piece.box, o.inter, isz)]
+            if cid not in self.overlaps and len(found) == 1:
+                self._maybe_direct(cid, chunk, found[0], isz)
+            else:
+                self.direct.pop(cid, None)  # a second target for this chunk: read into a buffer
             self.overlaps.setdefault(cid, []).extend(found)
             ranges = merge_ranges(self.ranges.get(cid, []) + runs)
             self.ranges[cid] = widen_to_blocks(ranges, chunk) if verify else ranges
+
+
+    def _maybe_direct(self, cid: int, chunk: ChunkMeta, o: Overlap, isz: int) -> None:
+        """When the target needs the whole chunk and its memory for it is one contiguous CPU run,
+        read (or receive) straight into the caller's tensor: no buffer, no copy."""
+        if o.piece.elem_offset != 0 or o.inter != o.piece.box or o.piece.box.numel * isz != chunk.byte_length:
+            return
+        dst = _narrowed(o.target, o.tbox, o.inter)
+        if dst.device.type == "cpu" and dst.is_contiguous() and not dst.is_conj() and not dst.is_neg():
+            self.direct[cid] = dst.reshape(-1).view(torch.uint8)
+
+
+def _narrowed(target: torch.Tensor, tbox: Box, inter: Box) -> torch.Tensor:
+    for d, (t0, i0, n) in enumerate(zip(tbox.offsets, inter.offsets, inter.lengths)):
+        target = target.narrow(d, i0 - t0, n)
+    return target
 
 
 def _target_views(leaf: TensorLeaf) -> list[tuple[Box, torch.Tensor]]:
@@ -167,9 +189,6 @@ def copy_overlaps(buf: torch.Tensor, lo: int, overlaps: list[Overlap], dtype: to
             strides = row_major_strides(o.piece.box.lengths)
             first = o.piece.elem_offset + sum((a - p) * s for a, p, s in zip(o.inter.offsets, o.piece.box.offsets, strides))
             src = typed.as_strided(o.inter.lengths, strides, first - base_elem)
-            dst = o.target
-            for d, (t0, i0, n) in enumerate(zip(o.tbox.offsets, o.inter.offsets, o.inter.lengths)):
-                dst = dst.narrow(d, i0 - t0, n)
-            dst.copy_(src)
+            _narrowed(o.target, o.tbox, o.inter).copy_(src)
             filled += o.inter.numel
     return filled

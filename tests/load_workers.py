@@ -26,7 +26,7 @@ def save_rows(path: str) -> None:
     unickpt.save(path, state)
 
 
-def load(path: str, layout: str, verify: bool) -> dict:
+def load(path: str, layout: str, verify: bool, redistribute: bool | None = True) -> dict:
     """Load into ``layout`` ("replicated", "cols", "empty_rank", "nothing_rank1"); check values bitwise."""
     rank, ws = dist.get_rank(), dist.get_world_size()
     full = {"a": matrix(0), "b": matrix(1)}
@@ -42,7 +42,7 @@ def load(path: str, layout: str, verify: bool) -> dict:
             start, n = (rank * rows, rows) if rank < ws - 1 or ws == 1 else (N, 0)
             state[name] = unickpt.Shard(torch.zeros(n, 64), (N, 64), offsets=(start, 0))
     state["v"] = torch.zeros(1000, dtype=torch.float64)
-    stats = unickpt.load(path, state, strict=False, verify=verify)
+    stats = unickpt.load(path, state, strict=False, verify=verify, redistribute=redistribute)
     ok = torch.equal(state["v"], torch.arange(1000, dtype=torch.float64))
     for name, leaf in state.items():
         if name == "v":
@@ -59,14 +59,15 @@ def load(path: str, layout: str, verify: bool) -> dict:
 def load_nothing_on_rank1(path: str) -> dict:
     """Rank 1 asks for no tensor at all; rank 0 loads everything."""
     state = {"v": torch.zeros(1000, dtype=torch.float64)} if dist.get_rank() == 0 else {}
-    stats = unickpt.load(path, state, strict=False)
+    stats = unickpt.load(path, state, strict=False, redistribute=True)
     ok = dist.get_rank() == 1 or torch.equal(state["v"], torch.arange(1000, dtype=torch.float64))
     return {"ok": ok, **stats.as_dict()}
 
 
-def load_expecting_error(path: str) -> str:
+def load_expecting_error(path: str, redistribute: bool) -> str:
     try:
-        unickpt.load(path, {"a": torch.zeros(N, 64), "b": torch.zeros(N, 64), "v": torch.zeros(1000, dtype=torch.float64)})
+        unickpt.load(path, {"a": torch.zeros(N, 64), "b": torch.zeros(N, 64), "v": torch.zeros(1000, dtype=torch.float64)},
+                     redistribute=redistribute)
     except unickpt.UnickptError as e:
         return f"{type(e).__name__}: {e}"
     return "no error"

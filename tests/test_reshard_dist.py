@@ -88,6 +88,6 @@ def _load_partial(path: str, verify: bool) -> int:
 
 def test_partial_read_reads_only_needed_bytes(pool, saved):
     """Without verification a target needing one row reads exactly that row's bytes; with it, the
-    small (< 4 MiB) chunk is read whole so that its checksum can be checked."""
+    small (< 1 MiB) chunk is read whole so that its checksum can be checked."""
     assert pool(1).run(_load_partial, saved[1], False) == [6 * 4]
     assert pool(1).run(_load_partial, saved[1], True) == [7 * 6 * 4]

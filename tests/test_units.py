@@ -150,3 +150,11 @@ def test_read_plan_splits_shared_ranges_and_balances_readers():
     assert sum(load.values()) == 100 + 80 and sorted(load.values()) == [60, 120]  # once each; 120 is optimal here
     assert [len(b) for b in batches(segs, {0: 100, 1: 80}, budget_bytes=120)] == [3, 1]
     assert [len(b) for b in batches(segs, {0: 100, 1: 80}, budget_bytes=1000)] == [4]
+
+
+def test_checksum_block_size_bounds_blocks_per_chunk():
+    from unickpt.metadata import block_size
+
+    mib = 1 << 20
+    assert block_size(5 * mib) == mib and block_size(64 * mib) == mib
+    assert block_size(64 * mib + 1) == 2 * mib and block_size(1 << 30) == 16 * mib

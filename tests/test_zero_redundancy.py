@@ -24,7 +24,7 @@ def ckpt(pool, tmp_path_factory):
 @pytest.mark.parametrize("verify", [False, True])
 def test_replicated_load_reads_each_byte_once(pool, ckpt, m, verify):
     results = pool(m).run(lw.load, ckpt, "replicated", verify)
-    assert all(r["ok"] for r in results)
+    assert all(r["ok"] and r["redistributed"] for r in results)
     assert sum(r["bytes_read"] for r in results) == TENSOR_BYTES  # not m x
     assert sum(r["reads"] for r in results) == 9  # one coalesced request per stored chunk (4 + 4 + 1)
     assert sum(r["bytes_sent"] for r in results) == sum(r["bytes_received"] for r in results)
@@ -46,7 +46,7 @@ def test_column_resharding_reads_only_needed_bytes(pool, ckpt, m):
 def test_verified_partial_reads_are_block_aligned_and_still_once(pool, ckpt):
     results = pool(2).run(lw.load, ckpt, "cols", True)
     assert all(r["ok"] for r in results)
-    # chunks are < 4 MiB: verification needs them whole, but each is still read by one rank only
+    # chunks are < 1 MiB: verification needs them whole, but each is still read by one rank only
     assert sum(r["bytes_read"] for r in results) == TENSOR_BYTES
     assert sum(r["blocks_verified"] for r in results) == 4 * 2 + 1
 
@@ -69,7 +69,13 @@ def test_read_plan_is_cached_for_repeated_loads(pool, ckpt):
     assert [r["bytes_read"] for r in again] == [r["bytes_read"] for r in first]
 
 
-def test_read_buffer_is_bounded(pool, ckpt, monkeypatch):
+def test_whole_chunk_targets_are_read_in_place(pool, ckpt):
+    """Replicated targets take whole chunks: bytes land straight in the caller's tensors (no buffer)."""
+    results = pool(2).run(lw.load, ckpt, "replicated", True)
+    assert all(r["ok"] and r["peak_buffer_bytes"] == 0 for r in results)
+
+
+def test_read_buffer_is_bounded(pool, ckpt):
     # chunks are 192 KiB (a, b at 4 ranks) and 8000 B (v): a 400 KiB budget forces several rounds
     results = pool(2).run(_load_with_budget, ckpt, 400 * 1024)
     for r in results:
@@ -79,9 +85,18 @@ def test_read_buffer_is_bounded(pool, ckpt, monkeypatch):
 def _load_with_budget(path: str, budget: int) -> dict:
     os.environ["UNICKPT_LOAD_BUFFER_BYTES"] = str(budget)
     try:
-        return lw.load(path, "replicated", False)
+        return lw.load(path, "cols", False)  # column targets need buffers (not direct reads)
     finally:
         del os.environ["UNICKPT_LOAD_BUFFER_BYTES"]
+
+
+def test_local_single_host_default_reads_directly(pool, ckpt):
+    """Default policy on one host with local storage: each rank reads its own needs (the page cache
+    dedups device reads); nothing travels over the group."""
+    results = pool(2).run(lw.load, ckpt, "replicated", False, None)
+    assert all(r["ok"] and not r["redistributed"] for r in results)
+    assert [r["bytes_read"] for r in results] == [TENSOR_BYTES, TENSOR_BYTES]
+    assert all(r["bytes_received"] == r["bytes_sent"] == 0 for r in results)
 
 
 def test_one_reader_failing_fails_every_rank_the_same_way(pool, tmp_path):
@@ -94,6 +109,7 @@ def test_one_reader_failing_fails_every_rank_the_same_way(pool, tmp_path):
         byte = f.read(1)
         f.seek(chunk["byte_offset"] + 10)
         f.write(bytes([byte[0] ^ 0xFF]))
-    results = pool(2).run(lw.load_expecting_error, path)
-    for r in results:
-        assert r.startswith("IntegrityError:") and "checksum" in r, r
+    for redistribute in (True, False):
+        results = pool(2).run(lw.load_expecting_error, path, redistribute)
+        for r in results:
+            assert r.startswith("IntegrityError:") and "checksum" in r, r
