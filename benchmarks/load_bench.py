@@ -2,10 +2,17 @@
 
 Saves one state at world size ``--save-ws`` (default 4) with each system, then loads it at each world
 size in ``--load-ws`` (default 4,2,1) into the layout of that world size, and also saves at 2 and loads
-at 4. Two scenarios:
+at 4. Scenarios:
 
 - ``sharded``: every tensor is a DTensor sharded on dim 0 (FSDP-style); a load needs only its rows.
 - ``replicated``: plain tensors every rank needs whole (data-parallel resume).
+- ``replicated-remote``: the same through a simulated remote store (``throttled://``: the local disk
+  behind fsspec with reads limited to ``--remote-mbps`` MB/s per process, as one connection to an
+  object store), DCP through its fsspec reader.
+
+Systems: ``unickpt`` (default policy: redistribution on for remote storage, off for local storage on
+one host, where the page cache already dedups device reads), ``unickpt-zr`` (redistribution forced on:
+each stored byte read once job-wide, for the local scenarios), ``dcp``.
 
 Per (system, scenario, save ws -> load ws): seconds (slowest rank), bytes read by ``read``/``pread``
 calls per rank (``/proc/self/io`` ``rchar`` delta: the same meter for both systems; page-cache hits
@@ -30,6 +37,61 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REMOTE_MBPS = float(os.environ.get("UNICKPT_BENCH_REMOTE_MBPS", "500"))
+
+
+def _register_throttled_fs() -> None:
+    """``throttled://`` = the local filesystem with reads limited to REMOTE_MBPS per process."""
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    def pause(nbytes: int) -> None:
+        time.sleep(nbytes / (REMOTE_MBPS * 1e6))
+
+    class _ThrottledFile:
+        def __init__(self, f):
+            self._f = f
+
+        def read(self, n=-1):
+            data = self._f.read(n)
+            pause(len(data))
+            return data
+
+        def readinto(self, b):
+            n = self._f.readinto(b)
+            pause(n or 0)
+            return n
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._f.close()
+
+    class ThrottledFileSystem(LocalFileSystem):
+        protocol = ("throttled",)
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            path = str(path)
+            return super()._strip_protocol(path[len("throttled://"):] if path.startswith("throttled://") else path)
+
+        def cat_file(self, path, start=None, end=None, **kwargs):
+            data = super().cat_file(path, start=start, end=end, **kwargs)
+            pause(len(data))
+            return data
+
+        def _open(self, path, mode="rb", block_size=None, **kwargs):
+            f = super()._open(path, mode, block_size=block_size, **kwargs)
+            return _ThrottledFile(f) if "r" in mode else f
+
+    fsspec.register_implementation("throttled", ThrottledFileSystem, clobber=True)
+
+
+_register_throttled_fs()
 N_TENSORS = 16
 COLS = 1024
 
@@ -49,6 +111,7 @@ def _state(scenario: str, rows: int, zeros: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    _register_throttled_fs()
     state = {}
     mesh = init_device_mesh("cpu", (dist.get_world_size(),)) if scenario == "sharded" else None
     for i in range(N_TENSORS):
@@ -96,6 +159,14 @@ class _Meter:
         self.peak_extra = self.peak - self.base_rss
 
 
+def _dcp_io(path: str, write: bool):
+    if not path.startswith("throttled://"):
+        return {"checkpoint_id": path}
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # benchmark only
+
+    return {"storage_writer": FsspecWriter(path)} if write else {"storage_reader": FsspecReader(path)}
+
+
 def worker_save(system: str, scenario: str, rows: int, path: str) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -103,10 +174,10 @@ def worker_save(system: str, scenario: str, rows: int, path: str) -> None:
     import unickpt
 
     state = _state(scenario, rows, zeros=False)
-    if system == "unickpt":
+    if system.startswith("unickpt"):
         unickpt.save(path, state)
     else:
-        dcp.save(state, checkpoint_id=path)
+        dcp.save(state, **_dcp_io(path, write=True))
     dist.barrier()
 
 
@@ -116,14 +187,15 @@ def worker_load(system: str, scenario: str, rows: int, path: str) -> dict:
 
     import unickpt
 
+    stats = None
     state = _state(scenario, rows, zeros=True)
     target_bytes = sum(_local(t).numel() * 4 for t in state.values())
     dist.barrier()
     with _Meter() as m:
-        if system == "unickpt":
-            unickpt.load(path, state)
+        if system.startswith("unickpt"):
+            stats = unickpt.load(path, state, redistribute=True if system == "unickpt-zr" else None)
         else:
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(state, **_dcp_io(path, write=False))
     dist.barrier()
     ok = True
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -133,7 +205,8 @@ def worker_load(system: str, scenario: str, rows: int, path: str) -> dict:
             want = torch.chunk(want, ws, dim=0)[rank] if rank < len(torch.chunk(want, ws, dim=0)) else want[:0]
         ok = ok and torch.equal(_local(state[f"t{i}"]), want)
     return {"seconds": m.seconds, "read_bytes": m.read_bytes, "peak_extra_bytes": m.peak_extra,
-            "target_bytes": target_bytes, "ok": ok}
+            "target_bytes": target_bytes, "ok": ok,
+            "unickpt": stats.as_dict() if system.startswith("unickpt") else None}
 
 
 def run(size_mb: float = 256, repeats: int = 3, save_ws: int = 4, load_ws: tuple = (4, 2, 1),
@@ -155,16 +228,22 @@ def run(size_mb: float = 256, repeats: int = 3, save_ws: int = 4, load_ws: tuple
         return pools[n]
 
     cases = [(save_ws, m) for m in load_ws] + [(2, 4)]
+    remote_cases = [(save_ws, save_ws), (save_ws, 2)]
+    plan = [("sharded", ("unickpt", "unickpt-zr", "dcp"), cases),
+            ("replicated", ("unickpt", "unickpt-zr", "dcp"), cases),
+            ("replicated-remote", ("unickpt", "dcp"), remote_cases)]
     records = []
     try:
-        for scenario in ("sharded", "replicated"):
-            for system in ("unickpt", "dcp"):
-                for s_ws in sorted({s for s, _ in cases}):
-                    path = os.path.join(root, f"{system}_{scenario}_ws{s_ws}")
-                    pool(s_ws).run(load_bench.worker_save, system, scenario, rows, path)
-                for s_ws, l_ws in cases:
-                    path = os.path.join(root, f"{system}_{scenario}_ws{s_ws}")
-                    samples = [pool(l_ws).run(load_bench.worker_load, system, scenario, rows, path)
+        for scenario, systems, scenario_cases in plan:
+            for system in systems:
+                base = "throttled://" + root if scenario.endswith("remote") else root
+                kind = scenario.replace("-remote", "")
+                for s_ws in sorted({s for s, _ in scenario_cases}):
+                    path = os.path.join(base, f"{system}_{scenario}_ws{s_ws}")
+                    pool(s_ws).run(load_bench.worker_save, system, kind, rows, path)
+                for s_ws, l_ws in scenario_cases:
+                    path = os.path.join(base, f"{system}_{scenario}_ws{s_ws}")
+                    samples = [pool(l_ws).run(load_bench.worker_load, system, kind, rows, path)
                                for _ in range(repeats)]
                     secs = [max(r["seconds"] for r in res) for res in samples]
                     last = samples[-1]
@@ -176,6 +255,8 @@ def run(size_mb: float = 256, repeats: int = 3, save_ws: int = 4, load_ws: tuple
                         "peak_extra_bytes_per_rank": [r["peak_extra_bytes"] for r in last],
                         "target_bytes_per_rank": [r["target_bytes"] for r in last],
                         "verified": all(r["ok"] for res in samples for r in res),
+                        "redistributed": bool(last[0]["unickpt"] and last[0]["unickpt"]["redistributed"]),
+                        "bytes_received_per_rank": [r["unickpt"]["bytes_received"] if r["unickpt"] else None for r in last],
                     }
                     records.append(rec)
                     print(f"[load] {system:8s} {scenario:10s} {s_ws}->{l_ws}: {rec['seconds'] * 1e3:8.1f} ms  "
@@ -188,17 +269,16 @@ def run(size_mb: float = 256, repeats: int = 3, save_ws: int = 4, load_ws: tuple
 
 
 def print_table(records: list[dict]) -> None:
-    print(f"\n{'scenario':<11}{'ws':>6}  {'unickpt ms':>11}{'dcp ms':>9}{'speedup':>9}  "
-          f"{'read MB u/d':>15}  {'state MB':>9}  {'peak/target u':>14}{'peak/target d':>14}")
-    by = {(r["system"], r["scenario"], r["save_world_size"], r["world_size"]): r for r in records}
-    for (system, scenario, s, l), u in by.items():
-        if system != "unickpt":
-            continue
-        d = by[("dcp", scenario, s, l)]
-        ratio = lambda r: max(p / max(t, 1) for p, t in zip(r["peak_extra_bytes_per_rank"], r["target_bytes_per_rank"]))
-        print(f"{scenario:<11}{f'{s}->{l}':>6}  {u['seconds'] * 1e3:>11.1f}{d['seconds'] * 1e3:>9.1f}"
-              f"{d['seconds'] / u['seconds']:>8.2f}x  {u['read_bytes_total'] / 1e6:>7.1f}/{d['read_bytes_total'] / 1e6:<7.1f}"
-              f"  {u['bytes'] / 1e6:>9.1f}  {ratio(u):>14.2f}{ratio(d):>14.2f}")
+    print(f"\n{'scenario':<18}{'ws':>6}  {'system':<11}{'ms':>9}{'vs dcp':>8}  {'read MB':>9}  {'peak/target':>11}")
+    dcp = {(r["scenario"], r["save_world_size"], r["world_size"]): r for r in records if r["system"] == "dcp"}
+    for r in sorted(records, key=lambda r: (r["scenario"], -r["save_world_size"], -r["world_size"], r["system"])):
+        d = dcp[(r["scenario"], r["save_world_size"], r["world_size"])]
+        ratio = max(p / max(t, 1) for p, t in zip(r["peak_extra_bytes_per_rank"], r["target_bytes_per_rank"]))
+        case = f"{r['save_world_size']}->{r['world_size']}"
+        print(f"{r['scenario']:<18}{case:>6}  {r['system']:<11}{r['seconds'] * 1e3:>9.1f}"
+              f"{d['seconds'] / r['seconds']:>7.2f}x  {r['read_bytes_total'] / 1e6:>9.1f}  {ratio:>11.2f}")
+    print(f"(state {records[0]['bytes'] / 1e6:.1f} MB; 'vs dcp' = dcp seconds / these seconds; read MB = bytes "
+          f"requested from storage by all ranks; peak/target = max over ranks of extra RSS / target bytes)")
 
 
 def main() -> None:
@@ -207,13 +287,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "load.json"))
     ap.add_argument("--dir", default=None, help="parent directory for the checkpoints")
+    ap.add_argument("--remote-mbps", type=float, default=REMOTE_MBPS,
+                    help="read bandwidth per process of the simulated remote store (MB/s)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["UNICKPT_BENCH_REMOTE_MBPS"] = str(args.remote_mbps)  # inherited by the spawned ranks
     t0 = time.time()
     records = run(args.size_mb, args.repeats, workdir=args.dir)
     print_table(records)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     doc = {"machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__}, "size_mb": args.size_mb,
+           "remote_mbps_per_process": args.remote_mbps,
            "repeats": args.repeats, "wall_s": time.time() - t0, "records": records,
            "notes": "seconds: median over repeats of the slowest rank; read bytes: /proc/self/io rchar delta "
                     "(requested bytes, page cache included); peak: RSS above the pre-load baseline"}

@@ -97,6 +97,7 @@ def load_checkpoint(comm: Comm, path: str, state: dict, *, strict: bool = True, 
     t_read = time.perf_counter()
     filled = _read_and_exchange(comm, storage, path, table, need, segments, verify, stats)
     stats.read_s = time.perf_counter() - t_read - stats.copy_s
+    stats.storage_bytes_read = storage.bytes_read  # tensor bytes plus metadata and per-rank files
     for fqn, want in need.expected.items():
         if filled.get(fqn, 0) != want:
             raise IntegrityError(f"{fqn!r}: stored chunks cover {filled.get(fqn, 0)} of the {want} elements this rank needs")

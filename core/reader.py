@@ -28,7 +28,8 @@ __all__ = ["LoadStats", "Overlap", "TargetReads", "merge_ranges", "widen_to_bloc
 class LoadStats:
     """Per-rank counters (bytes) and timings (seconds) of one load."""
 
-    bytes_read: int = 0  # from storage, by this rank
+    bytes_read: int = 0  # tensor bytes read from storage by this rank
+    storage_bytes_read: int = 0  # everything this rank read, as counted by the storage layer
     reads: int = 0  # ranged read requests
     blocks_verified: int = 0  # small chunks, or blocks of large ones, checked against checksums
     bytes_received: int = 0  # over the process group, read by other ranks

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import threading
 import uuid
 from typing import Iterable
 
@@ -32,6 +33,12 @@ class Storage:
         self.fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
         self.is_local = "file" in protocols or "local" in protocols
+        self.bytes_read = 0  # by read_into and read_bytes, for load statistics
+        self._count_lock = threading.Lock()
+
+    def _count(self, nbytes: int) -> None:
+        with self._count_lock:
+            self.bytes_read += nbytes
 
     def strip(self, path: str) -> str:
         path = os.fspath(path)
@@ -131,8 +138,11 @@ class Storage:
     def read_bytes(self, path: str) -> bytes:
         if self.is_local:
             with open(self.strip(path), "rb") as f:
-                return f.read()
-        return self.fs.cat_file(path)
+                data = f.read()
+        else:
+            data = self.fs.cat_file(path)
+        self._count(len(data))
+        return data
 
     def read_into(self, path: str, ranges: list[tuple[int, int]], dest: memoryview, base: int) -> None:
         """Read each ``(file_offset, length)`` range into ``dest[file_offset - base :]``.
@@ -150,6 +160,7 @@ class Storage:
                         if n == 0:
                             raise EOFError(f"{path}: file ends before byte {off + length} (read {off + got})")
                         got += n
+                    self._count(length)
             finally:
                 os.close(fd)
             return
@@ -158,3 +169,4 @@ class Storage:
             if len(data) != length:
                 raise EOFError(f"{path}: wanted {length} bytes at {off}, got {len(data)}")
             dest[off - base : off - base + length] = data
+            self._count(length)

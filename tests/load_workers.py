@@ -43,6 +43,8 @@ def load(path: str, layout: str, verify: bool, redistribute: bool | None = True)
             state[name] = unickpt.Shard(torch.zeros(n, 64), (N, 64), offsets=(start, 0))
     state["v"] = torch.zeros(1000, dtype=torch.float64)
     stats = unickpt.load(path, state, strict=False, verify=verify, redistribute=redistribute)
+    meta_bytes = os.path.getsize(os.path.join(path, "metadata.json"))
+    assert stats.storage_bytes_read == stats.bytes_read + meta_bytes, (stats.storage_bytes_read, stats.bytes_read)
     ok = torch.equal(state["v"], torch.arange(1000, dtype=torch.float64))
     for name, leaf in state.items():
         if name == "v":
