@@ -1,4 +1,4 @@
-"""The ``unickpt`` command: ``inspect`` a checkpoint, ``ls`` a checkpoint root."""
+"""The ``unickpt`` command: ``inspect`` or ``verify`` a checkpoint, ``ls`` a checkpoint root."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,7 @@ from .checkpointer import list_checkpoints
 from .errors import UnickptError
 from .metadata import read_metadata
 from .storage import Storage
+from .verify import verify_checkpoint
 
 __all__ = ["main"]
 
@@ -81,14 +82,32 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    problems, checked = verify_checkpoint(args.path)
+    if args.json:
+        print(json.dumps({"path": args.path, "bytes_checked": checked, "ok": not problems,
+                          "problems": [p.__dict__ for p in problems]}, indent=1))
+    elif problems:
+        print(f"{args.path}: {len(problems)} bad chunk(s) or file(s) ({_human(checked)} checked)")
+        for p in problems:
+            print(f"  {p.file}  [{p.key}]  {p.error}")
+    else:
+        print(f"{args.path}: OK ({_human(checked)} checked against their checksums)")
+    return 1 if problems else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="unickpt", description="Inspect unickpt checkpoints.")
+    parser = argparse.ArgumentParser(prog="unickpt", description="Inspect and verify unickpt checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="show a checkpoint's step, layout and tensors")
     p.add_argument("path")
     p.add_argument("--chunks", action="store_true", help="also list every stored chunk")
     p.add_argument("--json", action="store_true", help="print metadata.json")
     p.set_defaults(fn=cmd_inspect)
+    p = sub.add_parser("verify", help="read every stored byte and check it against its checksum")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_verify)
     p = sub.add_parser("ls", help="list the checkpoints under a root, committed or not")
     p.add_argument("root")
     p.add_argument("--json", action="store_true")

@@ -6,18 +6,46 @@ other protocols use the fsspec filesystem (``storage_options`` passed through).
 
 Commit primitive: :meth:`Storage.write_atomic` (local: temp file, fsync, ``os.replace``, fsync of
 the directory; object stores: a single put, which is atomic per object there).
+
+Remote operations are retried on transient errors (connection resets, timeouts, throttling) with
+exponential backoff (0.1 s doubling, at most 5 s apart) for at most ``retry_total_s`` seconds in all
+(``UNICKPT_RETRY_TOTAL_S``, default 120); permanent errors (missing file, permission denied, bad
+request) fail at once.
 """
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import posixpath
+import time
 import threading
 import uuid
 from typing import Iterable
 
 import fsspec
 
-__all__ = ["Storage"]
+__all__ = ["Storage", "is_transient"]
+
+log = logging.getLogger("unickpt")
+
+_TRANSIENT_ERRNOS = {errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EAGAIN,
+                     errno.EBUSY, errno.EPIPE, errno.ENETUNREACH, errno.EHOSTUNREACH}
+_TRANSIENT_WORDS = ("throttl", "slow down", "slowdown", "timeout", "timed out", "temporarily", "connection reset",
+                    "service unavailable", "internal error", "503", "500 ")
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether a storage error is worth retrying (network hiccups, throttling, 5xx), not a permanent
+    one (missing object, permission, bad request)."""
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)):
+        return False
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+        return True
+    text = f"{type(e).__name__} {e}".lower()
+    return any(w in text for w in _TRANSIENT_WORDS)
 
 
 class Storage:
@@ -28,8 +56,11 @@ class Storage:
         storage_options: keyword arguments for the fsspec filesystem (credentials, endpoint).
     """
 
-    def __init__(self, url: str, storage_options: dict | None = None):
+    def __init__(self, url: str, storage_options: dict | None = None, retry_total_s: float | None = None):
         url = os.fspath(url)
+        self.retry_total_s = float(os.environ.get("UNICKPT_RETRY_TOTAL_S", "120")) if retry_total_s is None \
+            else retry_total_s
+        self.retries = 0  # transient errors retried
         self.fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
         self.is_local = "file" in protocols or "local" in protocols
@@ -40,6 +71,21 @@ class Storage:
         with self._count_lock:
             self.bytes_read += nbytes
 
+    def _remote(self, what: str, path: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` with retries of transient errors (see the module docstring)."""
+        deadline = time.monotonic() + self.retry_total_s
+        delay = 0.1
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                if not is_transient(e) or time.monotonic() + delay > deadline:
+                    raise
+                self.retries += 1
+                log.warning("unickpt: %s %s failed (%s: %s); retrying in %.1f s", what, path, type(e).__name__, e, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
     def strip(self, path: str) -> str:
         path = os.fspath(path)
         return os.path.abspath(self.fs._strip_protocol(path)) if self.is_local else path
@@ -49,10 +95,10 @@ class Storage:
 
     # -- queries --------------------------------------------------------------------------------
     def exists(self, path: str) -> bool:
-        return os.path.exists(self.strip(path)) if self.is_local else self.fs.exists(path)
+        return os.path.exists(self.strip(path)) if self.is_local else self._remote("exists", path, self.fs.exists, path)
 
     def isdir(self, path: str) -> bool:
-        return os.path.isdir(self.strip(path)) if self.is_local else self.fs.isdir(path)
+        return os.path.isdir(self.strip(path)) if self.is_local else self._remote("isdir", path, self.fs.isdir, path)
 
     def listdir(self, path: str) -> list[str]:
         """Names (not paths) directly under ``path``; [] if it does not exist."""
@@ -60,12 +106,13 @@ class Storage:
             p = self.strip(path)
             return sorted(os.listdir(p)) if os.path.isdir(p) else []
         try:
-            return sorted(posixpath.basename(e.rstrip("/")) for e in self.fs.ls(path, detail=False))
+            entries = self._remote("ls", path, self.fs.ls, path, detail=False, refresh=True)
         except FileNotFoundError:
             return []
+        return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
 
     def size(self, path: str) -> int:
-        return os.path.getsize(self.strip(path)) if self.is_local else int(self.fs.size(path))
+        return os.path.getsize(self.strip(path)) if self.is_local else int(self._remote("size", path, self.fs.size, path))
 
     def du(self, path: str) -> int:
         """Total bytes of all files under ``path``."""
@@ -74,14 +121,14 @@ class Storage:
             for dirpath, _, files in os.walk(self.strip(path)):
                 total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files)
             return total
-        return int(self.fs.du(path, total=True))
+        return int(self._remote("du", path, self.fs.du, path, total=True))
 
     # -- writes ---------------------------------------------------------------------------------
     def makedirs(self, path: str) -> None:
         if self.is_local:
             os.makedirs(self.strip(path), exist_ok=True)
         else:
-            self.fs.makedirs(path, exist_ok=True)
+            self._remote("makedirs", path, self.fs.makedirs, path, exist_ok=True)
 
     def write_file(self, path: str, buffers: Iterable[memoryview | bytes]) -> int:
         """Write the buffers one after another into a new file, durably. Returns bytes written."""
@@ -99,16 +146,26 @@ class Storage:
             finally:
                 os.close(fd)
             return total
-        with self.fs.open(path, "wb") as f:
-            for buf in buffers:
-                f.write(buf)
-                total += memoryview(buf).nbytes
+        buffers = list(buffers)  # a retry rewrites the object from the start
+
+        def upload() -> int:
+            n = 0
+            with self.fs.open(path, "wb") as f:  # object stores: multipart upload of large files
+                for buf in buffers:
+                    f.write(buf)
+                    n += memoryview(buf).nbytes
+            return n
+
+        total = self._remote("write", path, upload)
+        size = self.size(path)
+        if size != total:
+            raise OSError(errno.EIO, f"{path}: uploaded {total} bytes, the store holds {size}")
         return total
 
     def write_atomic(self, path: str, data: bytes) -> None:
         """Make ``path`` hold exactly ``data`` or leave it as it was (the commit primitive)."""
         if not self.is_local:
-            self.fs.pipe_file(path, data)
+            self._remote("write", path, self.fs.pipe_file, path, data)
             return
         final = self.strip(path)
         tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
@@ -131,8 +188,8 @@ class Storage:
             elif os.path.exists(p):
                 os.remove(p)
             return
-        if self.fs.exists(path):
-            self.fs.rm(path, recursive=True)
+        if self.exists(path):
+            self._remote("rm", path, self.fs.rm, path, recursive=True)
 
     # -- reads ----------------------------------------------------------------------------------
     def read_bytes(self, path: str) -> bytes:
@@ -140,7 +197,7 @@ class Storage:
             with open(self.strip(path), "rb") as f:
                 data = f.read()
         else:
-            data = self.fs.cat_file(path)
+            data = self._remote("read", path, self.fs.cat_file, path)
         self._count(len(data))
         return data
 
@@ -165,7 +222,7 @@ class Storage:
                 os.close(fd)
             return
         for off, length in ranges:
-            data = self.fs.cat_file(path, start=off, end=off + length)
+            data = self._remote("read", path, self.fs.cat_file, path, start=off, end=off + length)
             if len(data) != length:
                 raise EOFError(f"{path}: wanted {length} bytes at {off}, got {len(data)}")
             dest[off - base : off - base + length] = data

@@ -23,3 +23,26 @@ def pool():
     yield get
     for p in pools.values():
         p.close()
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3-compatible server (moto's server mode) on 127.0.0.1 for the session, with a bucket
+    ``unickpt``; yields the fsspec ``storage_options`` that reach it through s3fs."""
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    import logging
+
+    import s3fs
+
+    from unickpt.testing.dist import _free_port
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    port = _free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing",
+               "client_kwargs": {"region_name": "us-east-1"}, "use_listings_cache": False}
+    s3fs.S3FileSystem(**options).call_s3("create_bucket", Bucket="unickpt")
+    yield options
+    server.stop()

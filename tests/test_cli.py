@@ -56,3 +56,24 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["inspect", str(root / "step_1")]) == 1
     err = capsys.readouterr().err
     assert "malformed metadata" in err and "Traceback" not in err
+
+
+def test_verify_reports_each_bad_chunk(tmp_path, capsys):
+    path = tmp_path / "c"
+    unickpt.save(path, {"a": torch.arange(1000.0), "b": torch.ones(5), "big": torch.zeros(3 << 18)})  # big: 3 blocks
+    assert main(["verify", str(path)]) == 0
+    assert "OK" in capsys.readouterr().out
+    meta = json.load(open(path / "metadata.json"))
+    data = path / "data" / "0_0.bin"
+    raw = bytearray(data.read_bytes())
+    for fqn, offset in (("a", 4), ("big", (1 << 20) + 7)):  # a's chunk; big's second block
+        raw[meta["tensors"][fqn]["chunks"][0]["byte_offset"] + offset] ^= 0x40
+    data.write_bytes(bytes(raw))
+    assert main(["verify", str(path), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["ok"] and sorted(p["key"] for p in report["problems"]) == ["a", "big"]
+    assert "checksum" in report["problems"][0]["error"]
+    data.write_bytes(bytes(raw[:100]))
+    assert main(["verify", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "truncated" in out and "[big]" in out

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import fsspec
+import fsspec.implementations.memory
 import pytest
 import torch
 
@@ -30,3 +31,59 @@ def test_fsspec_memory_round_trip_with_partial_reads():
 def test_missing_remote_checkpoint_is_clear():
     with pytest.raises(unickpt.CheckpointNotFoundError, match="metadata.json is missing"):
         unickpt.load("memory://nothing-here/step_1", {"w": torch.zeros(1)})
+
+
+class _FlakyMemory(fsspec.implementations.memory.MemoryFileSystem):
+    """In-memory store whose reads and writes fail transiently, ``fail_every``-th call each."""
+
+    protocol = ("flakymem",)
+    calls = 0
+    fail_every = 3
+    error: type = ConnectionResetError
+
+    def _maybe_fail(self, what):
+        type(self).calls += 1
+        if self.fail_every and type(self).calls % self.fail_every == 0:
+            raise self.error(f"injected {what} failure")
+
+    def cat_file(self, path, start=None, end=None, **kw):
+        self._maybe_fail("read")
+        return super().cat_file(path, start=start, end=end, **kw)
+
+    def pipe_file(self, path, value, **kw):
+        self._maybe_fail("write")
+        return super().pipe_file(path, value, **kw)
+
+    def _open(self, path, mode="rb", **kw):
+        if "w" in mode:
+            self._maybe_fail("open")
+        return super()._open(path, mode, **kw)
+
+
+def test_transient_remote_errors_are_retried(caplog):
+    fsspec.register_implementation("flakymem", _FlakyMemory, clobber=True)
+    _FlakyMemory.fail_every, _FlakyMemory.error = 3, ConnectionResetError
+    w = torch.randn(1000)
+    with caplog.at_level("WARNING", logger="unickpt"):
+        unickpt.save("flakymem://bucket/c", {"w": w, "n": 1})
+        out = {"w": torch.zeros(1000), "n": 0}
+        unickpt.load("flakymem://bucket/c", out)
+    assert torch.equal(out["w"], w) and out["n"] == 1
+    assert "retrying" in caplog.text and "injected" in caplog.text
+
+
+def test_permanent_and_persistent_remote_errors_fail_clearly(monkeypatch):
+    from unickpt.storage import Storage
+
+    fsspec.register_implementation("flakymem", _FlakyMemory, clobber=True)
+    _FlakyMemory.fail_every, _FlakyMemory.error = 1, PermissionError
+    st = Storage("flakymem://bucket2/x", retry_total_s=5)
+    with pytest.raises(PermissionError):
+        st.read_bytes("flakymem://bucket2/x")  # not retried: fails on the first call
+    assert st.retries == 0
+    _FlakyMemory.error = TimeoutError
+    st = Storage("flakymem://bucket2/x", retry_total_s=0.5)
+    with pytest.raises(TimeoutError):
+        st.read_bytes("flakymem://bucket2/x")  # retried until the time budget is spent
+    assert st.retries >= 2
+    _FlakyMemory.fail_every = 0
