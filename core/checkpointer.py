@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from .engine import SaveHandle, get_engine
-from .metadata import METADATA_FILE, is_incomplete_checkpoint
+from .metadata import METADATA_FILE, is_incomplete_checkpoint, writer_alive
 from .storage import Storage
 
 __all__ = ["Checkpointer", "list_checkpoints"]
@@ -68,8 +68,6 @@ class Checkpointer:
             raise RuntimeError("Checkpointer is closed")
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        if self._engine.rank == 0:
-            self._storage.makedirs(self.root)
         return self._engine.save(
             self.path_for(step), state, async_save=self.async_save if async_save is None else async_save,
             storage_options=self.storage_options, step=int(step), on_commit=lambda s=int(step): self._after_commit(s),
@@ -80,14 +78,15 @@ class Checkpointer:
 
         ``latest`` names the newest committed step (not necessarily ``step``). Retention deletes the
         oldest committed steps beyond ``keep_last`` and leftovers of crashed saves older than
-        ``step``, but never a save still in flight nor a directory holding anything unickpt did
-        not write.
+        ``step``, but never a save still in flight (in this process, or in a live process per the
+        directory's writer record) nor a directory holding anything unickpt did not write.
         """
         entries = list_checkpoints(self.root, self.storage_options)
         committed = [s for s, ok in entries if ok]
         self._storage.write_atomic(self._storage.join(self.root, LATEST_FILE), f"step_{max(committed)}".encode())
         doomed = [s for s, ok in entries if not ok and s < step and not self._engine.in_flight(self.path_for(s))
-                  and is_incomplete_checkpoint(self._storage, self.path_for(s))]
+                  and is_incomplete_checkpoint(self._storage, self.path_for(s))
+                  and not writer_alive(self._storage, self.path_for(s))]
         if self.keep_last is not None:
             keep = set(committed[-self.keep_last:]) | {max(committed)}
             doomed += [s for s in committed if s not in keep]

@@ -22,7 +22,9 @@ flattened tensor) in the tensor's dtype, native little-endian. No pickle anywher
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +47,9 @@ __all__ = [
     "CHECKSUM_BLOCK_BYTES",
     "read_metadata",
     "is_incomplete_checkpoint",
+    "WRITER_FILE",
+    "writer_record",
+    "writer_alive",
 ]
 
 FORMAT_NAME = "unickpt"
@@ -223,14 +228,20 @@ class CheckpointMetadata:
         )
 
 
-_PARTIAL_ENTRIES = re.compile(r"^(data|objects|metadata\.json\.tmp-[0-9a-f]+)$")
+WRITER_FILE = ".unickpt-writer"
+"""Written first into a checkpoint directory by the saving process: ``{"host", "pid", "time"}``, so
+that another process can tell a save in progress from the leftovers of a crashed one."""
+WRITER_STALE_S = 3600.0  # a writer on another host that has not committed for this long is presumed dead
+
+_PARTIAL_ENTRIES = re.compile(r"^(data|objects|metadata\.json\.tmp-[0-9a-f]+|\.unickpt-writer)$")
 _PARTIAL_FILES = {"data": re.compile(r"^\d+_\d+\.bin$"), "objects": re.compile(r"^rank_\d+\.json$")}
 
 
 def is_incomplete_checkpoint(storage: Any, path: str) -> bool:
     """True if ``path`` is a directory holding nothing but what an unfinished unickpt save writes
-    (``data/<rank>_<n>.bin``, ``objects/rank_<r>.json``, a temporary metadata file), so that it is
-    safe to delete. A committed checkpoint, a file, or a directory with anything else is not."""
+    (``data/<rank>_<n>.bin``, ``objects/rank_<r>.json``, a temporary metadata file, the writer
+    record). A committed checkpoint, a file, or a directory with anything else is not. Whether its
+    writer is still running is :func:`writer_alive`'s question."""
     if not storage.isdir(path) or storage.exists(storage.join(path, METADATA_FILE)):
         return False
     for name in storage.listdir(path):
@@ -240,6 +251,30 @@ def is_incomplete_checkpoint(storage: Any, path: str) -> bool:
             sub = storage.join(path, name)
             if not storage.isdir(sub) or not all(_PARTIAL_FILES[name].match(f) for f in storage.listdir(sub)):
                 return False
+    return True
+
+
+def writer_record() -> bytes:
+    """The contents of :data:`WRITER_FILE` for this process."""
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
+
+
+def writer_alive(storage: Any, path: str) -> bool:
+    """Whether the process that started the save into ``path`` may still be running: its pid is
+    alive (same host), or it is on another host and started less than ``WRITER_STALE_S`` ago.
+    False when there is no (readable) writer record."""
+    try:
+        rec = json.loads(storage.read_bytes(storage.join(path, WRITER_FILE)))
+    except (OSError, ValueError):
+        return False
+    if rec.get("host") != socket.gethostname():
+        return time.time() - float(rec.get("time", 0)) < WRITER_STALE_S
+    try:
+        os.kill(int(rec["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, KeyError, ValueError, TypeError):
+        return True
     return True
 
 
