@@ -202,10 +202,13 @@ class CheckpointMetadata:
         tensors = {}
         for fqn, t in doc["tensors"].items():
             shape = tuple(int(n) for n in t["shape"])
-            str_to_dtype(t["dtype"])
+            itemsize = str_to_dtype(t["dtype"]).itemsize
             chunks = tuple(ChunkMeta.from_json(c) for c in t["chunks"])
             for c in chunks:
                 _check_relpath(c.file, source)
+                if c.byte_offset < 0 or c.byte_length != c.spec.numel * itemsize:
+                    raise ValueError(f"{fqn!r}: chunk {c.spec} at {c.file}@{c.byte_offset} has byte_length "
+                                     f"{c.byte_length}, expected {c.spec.numel * itemsize} at a non-negative offset")
             check_exact_cover(fqn, shape, [c.spec for c in chunks])
             tensors[fqn] = TensorMeta(t["dtype"], shape, chunks)
         for rel in doc.get("per_rank", {}).get("files", []):

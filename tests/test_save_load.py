@@ -216,6 +216,21 @@ def test_damaged_checkpoint_files_raise_integrity_errors(tmp_path):
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(unickpt.IntegrityError, match="outside the checkpoint directory"):
         unickpt.load(tmp_path / "c", {"w": torch.zeros(4)})
+    for field, value, message in (("byte_offset", -8, "non-negative offset"), ("byte_length", 8, "expected 16"),
+                                  ("byte_offset", 1 << 40, "truncated")):
+        meta = json.loads(good)
+        meta["tensors"]["w"]["chunks"][0][field] = value
+        meta_path.write_text(json.dumps(meta))
+        with pytest.raises(unickpt.IntegrityError, match=message):
+            unickpt.load(tmp_path / "c", {"w": torch.zeros(4)})
+    meta = json.loads(good)
+    meta["tensors"]["w"]["dtype"] = "float99"
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(unickpt.IntegrityError, match="unknown torch dtype 'float99'"):
+        unickpt.load(tmp_path / "c", {"w": torch.zeros(4)})
+    meta_path.write_text("{not json")
+    with pytest.raises(unickpt.IntegrityError, match="not valid JSON"):
+        unickpt.load(tmp_path / "c", {"w": torch.zeros(4)})
     del meta["tensors"]
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(unickpt.IntegrityError, match="malformed metadata"):
