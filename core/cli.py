@@ -1,4 +1,4 @@
-"""The ``unickpt`` command: ``inspect`` or ``verify`` a checkpoint, ``ls`` a checkpoint root."""
+"""The ``unickpt`` command: ``inspect``, ``verify`` or ``diff`` checkpoints, ``ls`` a checkpoint root."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,7 @@ from .checkpointer import list_checkpoints
 from .errors import UnickptError
 from .metadata import read_metadata
 from .storage import Storage
+from .diff import diff_checkpoints
 from .verify import verify_checkpoint
 
 __all__ = ["main"]
@@ -96,6 +97,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    diffs = diff_checkpoints(args.a, args.b, atol=args.atol)
+    if args.json:
+        print(json.dumps([d.__dict__ for d in diffs], indent=1))
+    elif not diffs:
+        print(f"identical: {args.a} and {args.b}" + (f" (atol {args.atol})" if args.atol else " (bitwise)"))
+    else:
+        width = max(len(d.key) for d in diffs)
+        for d in diffs:
+            print(f"{d.key:<{width}}  {d.kind:<13} {d.detail}")
+    return 1 if diffs else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="unickpt", description="Inspect and verify unickpt checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,6 +122,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("path")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_verify)
+    p = sub.add_parser("diff", help="which keys, dtypes, shapes and values differ between two checkpoints")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--atol", type=float, default=0.0, help="tolerate |a-b| up to this (default: bitwise)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_diff)
     p = sub.add_parser("ls", help="list the checkpoints under a root, committed or not")
     p.add_argument("root")
     p.add_argument("--json", action="store_true")

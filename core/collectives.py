@@ -37,6 +37,15 @@ class Comm:
         self.plan_group = dist.new_group(self.ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
         self.background_group = dist.new_group(self.ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
 
+    @classmethod
+    def solo(cls) -> "Comm":
+        """A world of one (this process alone), whatever process group exists: for tools that read
+        a checkpoint in one process."""
+        comm = cls.__new__(cls)
+        comm.distributed, comm.rank, comm.world_size, comm.ranks = False, 0, 1, [0]
+        comm.plan_group = comm.background_group = None
+        return comm
+
     def all_gather(self, obj: Any, group: Any) -> list[Any]:
         """Every rank's ``obj``, in group-rank order."""
         if self.world_size == 1:

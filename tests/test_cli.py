@@ -77,3 +77,20 @@ def test_verify_reports_each_bad_chunk(tmp_path, capsys):
     assert main(["verify", str(path)]) == 1
     out = capsys.readouterr().out
     assert "truncated" in out and "[big]" in out
+
+
+def test_diff_names_keys_dtypes_shapes_and_value_differences(tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    w = torch.randn(4, 5)
+    unickpt.save(a, {"model": {"w": w, "b": torch.zeros(3), "gone": torch.ones(1)}, "lr": 0.1, "h": torch.ones(2)})
+    unickpt.save(b, {"model": {"w": w + 1e-3, "b": torch.zeros(3), "new": torch.ones(1)}, "lr": 0.2,
+                     "h": torch.ones(2, dtype=torch.float64)})
+    assert main(["diff", str(a), str(a)]) == 0
+    assert "identical" in capsys.readouterr().out
+    assert main(["diff", str(a), str(b), "--json"]) == 1
+    got = {(d["key"], d["kind"]) for d in json.loads(capsys.readouterr().out)}
+    assert got == {("model.gone", "missing_in_b"), ("model.new", "missing_in_a"), ("model.w", "values"),
+                   ("h", "dtype"), ("lr", "object")}
+    assert main(["diff", str(a), str(b), "--atol", "0.01"]) == 1
+    out = capsys.readouterr().out
+    assert "model.w" not in out and "lr" in out
