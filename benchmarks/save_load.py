@@ -1,240 +1,240 @@
-"""Save / load benchmark: unickpt vs torch.save vs torch.distributed.checkpoint, on one state, in one run.
+"""Save benchmark: unickpt vs torch.save vs torch.distributed.checkpoint (DCP), on one state, in one run.
 
-Run (it relaunches itself under torchrun with ``--world-size`` CPU ranks over gloo)::
+Run::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/save_load.py --world-size 4 --size-mb 256
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/save_load.py [--size-gb 1.5] [--world-sizes 1,2,4] [--quick] \\
+        --out FILE.json
 
-or launch it yourself (then ``--world-size`` is ignored)::
+One process tree: this process measures the disk's sequential write bandwidth (direct and buffered,
+before and after the runs), then, for each world size W, starts W CPU ranks on one gloo group
+(:class:`unickpt.testing.DistPool`) and runs every scenario on them.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m torch.distributed.run --nproc_per_node 4 benchmarks/save_load.py
+State (every scenario but ``replicated`` and ``flat``): a GPT-like model (token embedding, ``L``
+pre-LN transformer blocks of width ``d = --hidden``, untied output head; ``L`` derived from
+``--size-gb``) sharded with FSDP2 (``fully_shard`` per block and at the root, on a 1-D CPU mesh), and
+its AdamW state after one real step: parameters + ``exp_avg`` + ``exp_avg_sq`` (+ ``step``), about
+``--size-gb`` GB in all, ``1/W`` of it per rank.
 
-State (identical for every method): a stack of ``nn.Linear(H, H)`` layers sharded with FSDP2
-(``fully_shard`` per layer and on the root, on ``init_device_mesh("cpu", (W,))``), AdamW after one
-real forward/backward/step (so ``exp_avg``/``exp_avg_sq``/``step`` exist), plus plain tensors that
-are replicated on every rank (about 10 % of the state; written once by unickpt and DCP) and a
-python value. ``--size-mb`` is the size of the *unique* global state (what one copy of the
-checkpoint holds); the layer count is derived from it.
+Scenarios and systems (a record per (system, scenario, world size)):
 
-Save methods (each one writes every iteration into its own fresh directory):
+* ``save``: one save at a time, each into a fresh directory, a warm-up save first (not counted:
+  it allocates unickpt's rings and DCP's cached copies), then the median of ``--repeats``.
+  ``unickpt-sync`` (``unickpt.save``), ``unickpt-async`` (``async_save=True``, default options),
+  ``unickpt-async-direct`` (and ``direct_io=True``), ``torch.save`` (full state gathered to rank 0
+  with ``get_state_dict(full_state_dict=True, cpu_offload=True)``, as frameworks do by default; one
+  file, fsynced), ``dcp`` (``dcp.save``), ``dcp-async`` (``dcp.async_save`` defaults: a fresh CPU copy
+  per call), ``dcp-async-cached`` (DCP's best configuration: one reused ``DefaultStager`` with cached
+  CPU copies and background staging). ``stall_s`` = from the call until the caller may change the
+  parameters again (for background staging: until staging completes, as there is nothing to
+  overlap it with here); ``durable_s`` = until the checkpoint is committed and fsynced.
+* ``train``: a training loop (``--steps-between`` steps between saves, ``--saves`` saves), with
+  ``none`` (no saves: the baseline step time), ``unickpt-async``, ``unickpt-async-overlap``
+  (``snapshot="overlap"``: the optimizer-owned tensors are staged while the next forward/backward
+  runs; ``optimizer.step()`` waits for them), ``unickpt-async-direct`` (``O_DIRECT`` writes),
+  ``unickpt-async-process`` (writer process instead of threads), ``unickpt-async-nice`` (drain
+  threads at nice 10) and ``dcp-async-cached`` (the loop
+  waits for DCP's background staging just before its next optimizer step). Each system first makes
+  one untimed warm-up save. ``stall_s``: per save, the time the loop was blocked (the call + any
+  wait before the optimizer step), median; ``step_time_s``: median step time (stall excluded) of
+  the steps during which a save was in flight; ``interference`` = that / the ``none`` step time - 1.
+  Once a save is durable, the loop's previous checkpoint is deleted (``keep_last=1`` retention).
+  ``--quick`` runs only ``none``, ``unickpt-async``, ``unickpt-async-overlap`` and ``dcp-async-cached``.
+* ``replicated``: every tensor replicated on every rank (data parallel), sizes skewed from 64 MB
+  down to bytes: ``bytes_per_rank`` and ``max_mean_bytes`` of what each rank wrote (unickpt: the
+  plan's; DCP: its per-rank files).
+* ``flat``: the GPT state flattened and cut into even flat ranges across ranks (ZeRO / FSDP1 style,
+  rows cut anywhere; a quarter of ``--size-gb``): unickpt with ``flat_ranges="store"`` vs ``"merge"``
+  (save stall / durable, and ``load_s`` into the same flat shards and into row-sharded boxes).
+* ``load``: ``unickpt.load`` and ``dcp.load`` of the last ``save`` checkpoint of each into the live
+  model and optimizer, after zeroing them; verified bit for bit (``verified``); ``load_s`` median.
 
-* ``unickpt_sync``   ``unickpt.save(path, state)``: stall == total.
-* ``unickpt_async``  ``unickpt.save(path, state, async_save=True)`` on its own process group (so
-  its own engine and staging pools: its first save allocates them too); stall = time until the
-  call returns, total = until ``handle.wait()`` returns (committed).
-* ``torch_save``     each rank ``torch.save``\\ s its local state (DTensors as their local shards,
-  replicated tensors included on every rank) to ``rank<r>.pt``, then ``fsync`` (so it is as
-  durable as the others; see ``torch_save_nofsync`` for the page-cache-only number).
-* ``torch_save_nofsync`` the same without ``fsync``: the data may be only in the page cache.
-* ``dcp_sync``       ``dcp.save`` (FileSystemWriter defaults: ``sync_files=True``, one file per rank).
-* ``dcp_async``      ``dcp.async_save`` with defaults (a new DefaultStager per call: every call
-  allocates a fresh CPU copy of the state); on its own gloo group; stall = until it returns,
-  total = until the returned future (``upload_completion``) resolves.
-* ``dcp_async_stager`` the same with one ``DefaultStager`` reused across calls (its CPU copies are
-  cached per storage, like unickpt's reused pool): DCP's best steady-state setting on CPU.
+Disk: ``disk-direct`` / ``disk-buffered`` records give the sequential write bandwidth measured in
+the same directory (16 MiB writes, fsync at the end); ``durable_vs_disk`` of a save record is
+``durable_s / (bytes / direct bandwidth)``. ``summary``/``targets`` records state each target of the
+issue against the measured medians.
 
-For DCP the model and optimizer are wrapped in a ``Stateful`` (the pattern in the DCP tutorial), so
-``get_state_dict`` runs inside the timed call for DCP as it does for unickpt (which expands
-modules / optimizers with the same helpers) and for torch.save (done explicitly, timed).
-
-Timing: every sample starts after a barrier; each rank times itself; a sample is the *slowest
-rank's* time (a collective save is done when its last rank is). Iteration 0 of every method is the
-warm-up ("first": unickpt allocates and pre-faults its staging pool then, DCP creates its thread
-pool, the allocator warms up) and is reported separately; ``--repeats`` further iterations give the
-median ("steady"). Methods run round-robin (iteration i of every method, then i+1), so slow drift
-of a shared machine is spread over all of them. Throughput = unique state bytes / total time.
-
-Loads (same world size): ``unickpt.load`` and ``dcp.load`` of the last checkpoint each wrote, into
-the live FSDP model/optimizer, warm (files in the page cache, as just written) and cold (each file's
-clean pages dropped with ``posix_fadvise(DONTNEED)`` first; a VM's host may still cache them). The
-first load of each is a verified one: every tensor in the state is zeroed first and compared
-bit-for-bit to a snapshot after the load.
-
-Results: JSON (``--out``, default ``benchmarks/results/save_load.json``) and a table on stdout.
+Extra scenarios (for example the load-resharding ones of ``benchmarks/load_bench.py``) plug in with
+``--extra MODULE`` (a module in ``benchmarks/`` with ``bench_world(pool, world_size, cfg) ->
+list[dict]``), called once per world size with the ranks' :class:`~unickpt.testing.DistPool`; or call
+:func:`run_world` yourself.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import mmap
 import os
 import platform
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "results", "save_load.json")
-
-SAVE_METHODS = ["unickpt_sync", "unickpt_async", "torch_save", "torch_save_nofsync",
-                "dcp_sync", "dcp_async", "dcp_async_stager"]
-LOAD_METHODS = ["unickpt", "dcp"]
-ASYNC_METHODS = {"unickpt_async", "dcp_async", "dcp_async_stager"}
-REPLICATED_FRACTION = 0.10  # of --size-mb: plain tensors held whole by every rank
+SAVE_SYSTEMS = ["unickpt-async", "unickpt-sync", "unickpt-async-direct", "torch.save", "dcp", "dcp-async",
+                "dcp-async-cached"]
+TRAIN_SYSTEMS = ["none", "unickpt-async", "unickpt-async-overlap", "unickpt-async-direct", "unickpt-async-process",
+                 "unickpt-async-nice", "dcp-async-cached"]
+FULL_TRAIN_SYSTEMS = TRAIN_SYSTEMS
+QUICK_TRAIN_SYSTEMS = ["none", "unickpt-async", "unickpt-async-overlap", "dcp-async-cached"]
+UNICKPT_VARIANTS = {  # engine options per unickpt system (everything else: the defaults)
+    "unickpt-sync": {}, "unickpt-async": {}, "unickpt-async-direct": {"direct_io": True},
+    "unickpt-async-process": {"writer": "process"}, "unickpt-async-overlap": {"snapshot": "overlap"},
+    "unickpt-async-nice": {"background_nice": 10},
+    "unickpt-store": {"flat_ranges": "store"}, "unickpt-merge": {"flat_ranges": "merge"},
+}
+_OPTION_FIELDS = ("direct_io", "writer", "snapshot", "flat_ranges", "background_nice")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--world-size", type=int, default=4, help="ranks (CPU processes, gloo) when self-launching")
-    p.add_argument("--size-mb", type=float, default=256.0,
-                   help="unique global state size in MB (1e6 B): params + AdamW state + replicated tensors")
-    p.add_argument("--hidden", type=int, default=1024, help="width H of the Linear(H, H) layers")
-    p.add_argument("--repeats", type=int, default=5, help="measured iterations per method after the warm-up one")
-    p.add_argument("--load-repeats", type=int, default=None,
-                   help="measured loads per method and cache state (None: --repeats)")
-    p.add_argument("--methods", default=",".join(SAVE_METHODS), help="comma-separated save methods to run")
-    p.add_argument("--no-load", action="store_true", help="skip the load benchmark")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="skip the process-wide warm-up (a tiny save with every method before timing)")
-    p.add_argument("--profile", default="", help="comma-separated save methods to cProfile on rank 0 (the "
-                   "calling thread only: the stall) at iteration 0 and the last iteration; top entries go "
-                   "into the JSON")
-    p.add_argument("--dir", default=None, help="where checkpoints go (a fresh temporary directory under it; "
-                   "default: the system temp dir). Put it on the file system you care about")
-    p.add_argument("--keep", action="store_true", help="keep the checkpoints (default: deleted at the end)")
+    p.add_argument("--size-gb", type=float, default=None,
+                   help="GPT state size in GB (1e9 B): params + AdamW moments (default 1.5; --quick: 0.6)")
+    p.add_argument("--world-sizes", default="1,2,4", help="comma-separated world sizes (CPU ranks, gloo)")
+    p.add_argument("--quick", action="store_true", help="a smaller state and fewer repeats (a few minutes)")
+    p.add_argument("--repeats", type=int, default=None, help="timed saves per system after the warm-up (default 3; "
+                   "--quick: 1)")
+    p.add_argument("--saves", type=int, default=None, help="saves in the training loop (default 3; --quick: 2)")
+    p.add_argument("--steps-between", type=int, default=2, help="training steps between saves")
+    p.add_argument("--hidden", type=int, default=1024, help="model width d")
+    p.add_argument("--scenarios", default="save,load,train,replicated,flat",
+                   help="comma-separated scenarios (load verifies the save scenario's last checkpoints: run it next)")
+    p.add_argument("--systems", default=None, help="comma-separated systems to run (default: all)")
+    p.add_argument("--extra", default="", help="comma-separated modules in benchmarks/ with bench_world()")
+    p.add_argument("--dir", default=None, help="where checkpoints go (a fresh temporary directory under it)")
     p.add_argument("--out", default=DEFAULT_OUT, help="JSON results path")
-    p.add_argument("--timeout", type=float, default=1200.0, help="self-launch: kill the run after this many seconds")
-    args = p.parse_args(argv)
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    args.profile = [m.strip() for m in args.profile.split(",") if m.strip()]
-    unknown = sorted(set(args.methods + args.profile) - set(SAVE_METHODS))
-    if unknown:
-        p.error(f"unknown method(s) {unknown}; choose from {SAVE_METHODS}")
-    if args.load_repeats is None:
-        args.load_repeats = args.repeats
-    return args
+    p.add_argument("--timeout", type=float, default=3600.0, help="per world size, seconds")
+    a = p.parse_args(argv)
+    a.size_gb = a.size_gb if a.size_gb is not None else (0.6 if a.quick else 1.5)
+    a.repeats = a.repeats if a.repeats is not None else (1 if a.quick else 3)
+    a.saves = a.saves if a.saves is not None else (2 if a.quick else 3)
+    a.world_sizes = [int(x) for x in a.world_sizes.split(",") if x.strip()]
+    a.scenarios = [s.strip() for s in a.scenarios.split(",") if s.strip()]
+    a.systems = None if a.systems is None else [s.strip() for s in a.systems.split(",") if s.strip()]
+    a.extra = [m.strip() for m in a.extra.split(",") if m.strip()]
+    return a
 
 
 # --------------------------------------------------------------------------------------------- #
-# Launcher (no torchrun environment): start torchrun with this script, kill it all on timeout/^C
+# Disk bandwidth (this process)
 # --------------------------------------------------------------------------------------------- #
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.world_size),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), os.path.abspath(__file__), *argv]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
-    print("$ " + " ".join(cmd[1:]), flush=True)
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    try:
-        return proc.wait(timeout=args.timeout)
-    except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: their own session
-        proc.wait()
-        print(f"benchmark {'timed out' if isinstance(e, subprocess.TimeoutExpired) else 'interrupted'}; "
-              "killed", file=sys.stderr)
-        return 124
-
-
-# --------------------------------------------------------------------------------------------- #
-# Worker side
-# --------------------------------------------------------------------------------------------- #
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
-def _tensors(obj: Any, out: list, path: str = "") -> list:
-    """(path, local tensor) for every tensor in a nested dict/list (DTensors as their local shard)."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        out.append((path, obj.to_local()))
-    elif isinstance(obj, torch.Tensor):
-        out.append((path, obj))
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _tensors(v, out, f"{path}.{k}" if path else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _tensors(v, out, f"{path}.{i}")
+def disk_bandwidth(directory: str, nbytes: int, runs: int = 3) -> dict:
+    """Sequential write bandwidth (GB/s, 1e9 B) of ``directory``'s file system: 16 MiB writes of one
+    file, then fsync; with ``O_DIRECT`` (the device) and buffered (through the page cache). Best of
+    ``runs`` each (the capability, not a typical run)."""
+    block = 16 << 20
+    buf = mmap.mmap(-1, block)
+    buf.write(os.urandom(1 << 20) * 16)
+    view = memoryview(buf)
+    out = {}
+    for mode in ("direct", "buffered"):
+        best = 0.0
+        for _ in range(runs):
+            path = os.path.join(directory, f"disk-bw-{mode}.bin")
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            if mode == "direct":
+                flags |= getattr(os, "O_DIRECT", 0)
+            t0 = time.perf_counter()
+            fd = os.open(path, flags, 0o644)
+            try:
+                for _ in range(max(1, nbytes // block)):
+                    v = view
+                    while v:
+                        v = v[os.write(fd, v):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            dt = time.perf_counter() - t0
+            os.remove(path)
+            best = max(best, max(1, nbytes // block) * block / dt / 1e9)
+        out[mode] = round(best, 3)
     return out
 
 
-def _to_local(obj: Any) -> Any:
+# --------------------------------------------------------------------------------------------- #
+# Worker side (runs on every rank of the DistPool)
+# --------------------------------------------------------------------------------------------- #
+_BENCH: dict[str, Any] = {}
+_BENCH_LAST: dict[str, str] = {}  # system -> the save scenario's last checkpoint (for the load scenario)
+
+
+def _gpt(cfg: dict):
     import torch
-    from torch.distributed.tensor import DTensor
+    import torch.nn.functional as F
+    from torch import nn
 
-    if isinstance(obj, DTensor):
-        return obj.to_local()
-    if isinstance(obj, dict):
-        return {k: _to_local(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_local(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_to_local(v) for v in obj)
-    return obj
+    d, heads = cfg["hidden"], max(1, cfg["hidden"] // 64)
 
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
-def _files_under(path: str) -> list[str]:
-    return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+            x = x + self.proj(a)
+            return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
+    class GPT(nn.Module):
+        def __init__(self, layers: int, vocab: int):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, d)
+            self.blocks = nn.ModuleList([Block() for _ in range(layers)])
+            self.ln_f = nn.LayerNorm(d)
+            self.head = nn.Linear(d, vocab, bias=False)
 
-def _du(path: str) -> int:
-    return sum(os.path.getsize(f) for f in _files_under(path))
+        def forward(self, idx):
+            x = self.emb(idx)
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(self.ln_f(x))
 
-
-def _evict(path: str) -> None:
-    """Drop the (clean) page-cache pages of every file under ``path``; needs no privileges."""
-    for f in _files_under(path):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    vocab = 8192
+    params = cfg["size_gb"] * 1e9 / 12  # fp32 params + two fp32 AdamW moments
+    layers = max(1, round((params - 2 * vocab * d) / (12 * d * d + 13 * d)))
+    return GPT(layers, vocab), layers, vocab
 
 
 class Bench:
-    """Everything one rank needs: the state, the process groups, the methods."""
+    """One rank's state, process groups and save methods."""
 
-    def __init__(self, args: argparse.Namespace, root: str):
+    def __init__(self, cfg: dict):
         import torch
         import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-        from torch import nn
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         from torch.distributed.checkpoint.stateful import Stateful
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        self.args, self.root = args, root
-        self.torch, self.dist, self.dcp = torch, dist, dcp
+        self.cfg = cfg
+        self.torch, self.dist = torch, dist
         self.rank, self.ws = dist.get_rank(), dist.get_world_size()
         self.get_state_dict = get_state_dict
-
-        # ---- the state ------------------------------------------------------------------------
-        size = args.size_mb * 1e6
-        h = args.hidden
-        layer_bytes = (h * h + h) * 4  # fp32 weight + bias
-        self.layers = max(1, round(size * (1 - REPLICATED_FRACTION) / 3 / layer_bytes))  # params + 2 Adam moments
-        torch.manual_seed(0)  # same init on every rank (fully_shard keeps each rank's slice)
-        model = nn.Sequential(*[nn.Linear(h, h) for _ in range(self.layers)])
+        with torch.device("meta"):
+            model, self.layers, self.vocab = _gpt(cfg)
         mesh = init_device_mesh("cpu", (self.ws,))
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
+        for blk in model.blocks:
+            fully_shard(blk, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        torch.manual_seed(1 + self.rank)  # data differs per rank, as in data parallel training
-        loss = model(torch.randn(8, h)).square().mean()
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        self.model, self.optim = model, optim
-        # replicated plain tensors (same values on every rank), e.g. a frozen table, buffers
-        rep_elems = int(size * REPLICATED_FRACTION / 4)
-        g = torch.Generator().manual_seed(1234)
-        rows = rep_elems * 3 // 4 // 64
-        self.extra = {"frozen_table": torch.randn(rows, 64, generator=g),
-                      "buffer": torch.randn(rep_elems - rows * 64, generator=g)}
+        model.to_empty(device="cpu")
+        g = torch.Generator().manual_seed(1 + self.rank)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().normal_(0, 0.02, generator=g)
+        self.model = model
+        self.optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.step()
 
         class AppState(Stateful):  # the DCP tutorial's wrapper: get/set_state_dict inside the call
             def __init__(self, m, o):
@@ -247,36 +247,29 @@ class Bench:
             def load_state_dict(self, sd):
                 set_state_dict(self.m, self.o, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
-        self.unickpt_state = {"model": model, "optim": optim, "extra": self.extra, "step": 1}
-        self.dcp_state = {"app": AppState(model, optim), "extra": self.extra, "step": 1}
+        self.unickpt_state = {"model": model, "optim": self.optim, "step": 1}
+        self.dcp_state = {"app": AppState(model, self.optim), "step": 1}
+        self.pg_dcp = dist.new_group(backend="gloo")  # DCP's background collectives, off the training group
+        self.stager = DefaultStager(StagingOptions(False, False, True, False))
+        msd, osd = get_state_dict(model, self.optim)
+        local = _tensor_bytes({"m": msd, "o": osd})
+        self.local_bytes = self.gather(local)
+        self.state_bytes = sum(self.local_bytes)
 
-        # sizes: unique global bytes (dedup replicas as unickpt/DCP do) and what this rank holds
-        msd, osd = get_state_dict(model, optim)
-        full = {"model": msd, "optim": osd, "extra": self.extra}
-        local = _tensors(full, [])
-        self.local_bytes = sum(t.numel() * t.element_size() for _, t in local)
-        rep_local = sum(t.numel() * t.element_size() for p, t in local
-                        if p.startswith("extra.") or p.endswith(".step"))
-        locals_ = [None] * self.ws
-        dist.all_gather_object(locals_, (self.local_bytes, rep_local))
-        self.local_bytes_by_rank = [a for a, _ in locals_]
-        self.state_bytes = sum(a - r for a, r in locals_) + locals_[0][1]
-        self.replicated_bytes = locals_[0][1]
-        self.param_bytes = sum(self.gather(sum(t.numel() * t.element_size() for _, t in _tensors(msd, []))))
-        self.n_tensors = len(local)
+    def step(self, data_seed: int = 0) -> None:
+        torch = self.torch
+        g = torch.Generator().manual_seed(1000 * data_seed + self.rank)
+        idx = torch.randint(0, self.vocab, (2, 64), generator=g)
+        loss = torch.nn.functional.cross_entropy(self.model(idx).flatten(0, 1), idx.flatten())
+        loss.backward()
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
 
-        # ---- process groups: async methods get their own (own unickpt engine / DCP bg collectives)
-        self.pg_unickpt_async = dist.new_group(backend="gloo")
-        self.pg_dcp_async = dist.new_group(backend="gloo")
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-        self.stager = DefaultStager(StagingOptions(False, False, False, False))
-        self.warmup_stager = DefaultStager(StagingOptions(False, False, False, False))  # keeps self.stager cold
-        self.counter = 0
-        self.last_dir: dict[str, str] = {}
-
-    # ---- helpers ----------------------------------------------------------------------------------
-    def fresh_dir(self, method: str, it: int) -> str:
-        return os.path.join(self.root, f"{method}_{it}")
+    def forward_backward(self, data_seed: int) -> None:
+        torch = self.torch
+        g = torch.Generator().manual_seed(1000 * data_seed + self.rank)
+        idx = torch.randint(0, self.vocab, (2, 64), generator=g)
+        torch.nn.functional.cross_entropy(self.model(idx).flatten(0, 1), idx.flatten()).backward()
 
     def gather(self, x: Any) -> list:
         out = [None] * self.ws
@@ -284,379 +277,651 @@ class Bench:
         return out
 
     def rm(self, path: str) -> None:
-        """Collective: rank 0 deletes ``path`` once every rank is done with it."""
         self.dist.barrier()
         if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)
         self.dist.barrier()
 
-    # ---- save methods: each returns (wait callable, extra info); the call itself is the stall ------
-    def start_save(self, method: str, path: str) -> tuple[Callable[[], None], Callable[[], dict]]:
+    def start(self, system: str, path: str) -> tuple[Callable[[], None], Callable[[], None], Any]:
+        """Start a save; returns (wait until the parameters may change, wait until durable, handle)."""
         import unickpt
+        from unickpt.engine import get_engine
 
-        torch, dcp = self.torch, self.dcp
+        torch, dist = self.torch, self.dist
         nothing = lambda: None  # noqa: E731
-        if method in ("unickpt_sync", "unickpt_async"):
-            asyn = method == "unickpt_async"
-            h = unickpt.save(path, self.unickpt_state, async_save=asyn,
-                             process_group=self.pg_unickpt_async if asyn else None)
-            return h.wait, h.stats.as_dict
-        if method in ("torch_save", "torch_save_nofsync"):
-            os.makedirs(path, exist_ok=True)
-            msd, osd = self.get_state_dict(self.model, self.optim)
-            obj = _to_local({"model": msd, "optim": osd, "extra": self.extra, "step": 1})
-            with open(os.path.join(path, f"rank{self.rank}.pt"), "wb") as f:
-                torch.save(obj, f)
-                if method == "torch_save":
+        if system.startswith("unickpt"):
+            _configure(get_engine(), system)
+            h = unickpt.save(path, self.unickpt_state, async_save=system != "unickpt-sync")
+            return h.wait_snapshot, h.wait, h
+        if system == "torch.save":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+            msd, osd = self.get_state_dict(self.model, self.optim,
+                                           options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if self.rank == 0:
+                os.makedirs(path, exist_ok=True)
+                with open(os.path.join(path, "full.pt"), "wb") as f:
+                    torch.save({"model": msd, "optim": osd, "step": 1}, f)
                     f.flush()
                     os.fsync(f.fileno())
-            if method == "torch_save":  # make this rank's new directory entry durable too
-                dfd = os.open(path, os.O_RDONLY)
-                os.fsync(dfd)
-                os.close(dfd)
-            return nothing, dict
-        if method == "dcp_sync":
+            dist.barrier()
+            return nothing, nothing, None
+        import torch.distributed.checkpoint as dcp
+
+        if system == "dcp":
             dcp.save(self.dcp_state, checkpoint_id=path)
-            return nothing, dict
-        if method in ("dcp_async", "dcp_async_stager"):
-            kw = {"async_stager": self.stager} if method == "dcp_async_stager" else {}
-            fut = dcp.async_save(self.dcp_state, checkpoint_id=path, process_group=self.pg_dcp_async, **kw)
-            fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse (newer torch) or Future
-            return fut.result, dict
-        raise ValueError(method)
+            return nothing, nothing, None
+        if system == "dcp-async":
+            fut = dcp.async_save(self.dcp_state, checkpoint_id=path, process_group=self.pg_dcp)
+            fut = getattr(fut, "upload_completion", fut)
+            return nothing, fut.result, fut
+        if system == "dcp-async-cached":
+            resp = dcp.async_save(self.dcp_state, checkpoint_id=path, process_group=self.pg_dcp,
+                                  async_stager=self.stager)
+            staging = getattr(resp, "staging_completion", None)
+            upload = getattr(resp, "upload_completion", resp)
+            return (staging.result if staging is not None else nothing), upload.result, upload
+        raise ValueError(system)
 
-    def save_once(self, method: str, it: int, profile: bool = False) -> dict:
-        path = self.fresh_dir(method, it)
-        prof = None
-        if profile and self.rank == 0:
-            import cProfile
 
-            prof = cProfile.Profile()
-        self.dist.barrier()
-        t0 = time.perf_counter()
-        if prof is not None:
-            prof.enable()
-        wait, info = self.start_save(method, path)
-        if prof is not None:
-            prof.disable()
-        t1 = time.perf_counter()
-        wait()
-        t2 = time.perf_counter()
-        per_rank = self.gather({"stall": t1 - t0, "total": t2 - t0, "info": info()})
-        self.dist.barrier()
-        bytes_on_disk = _du(path) if self.rank == 0 else 0
-        files = ({os.path.relpath(f, path): os.path.getsize(f) for f in _files_under(path)}
-                 if self.rank == 0 else {})
-        old = self.last_dir.get(method)
-        self.last_dir[method] = path
-        if old is not None:  # keep only the newest checkpoint of each method (the load benchmark's)
-            self.rm(old)
-        stall = max(r["stall"] for r in per_rank)
-        total = max(r["total"] for r in per_rank)
-        sample = {"stall_s": stall, "total_s": total, "bytes_on_disk": bytes_on_disk,
-                  "files_over_1mb": {f: n for f, n in sorted(files.items()) if n >= 1_000_000},
-                  "stall_by_rank_ms": [round(r["stall"] * 1e3, 1) for r in per_rank],
-                  "total_by_rank_ms": [round(r["total"] * 1e3, 1) for r in per_rank]}
-        if per_rank[0]["info"]:  # unickpt's own per-phase stats
-            keys = ("plan_s", "pool_wait_s", "stage_s", "write_s", "commit_s", "stall_s", "total_s")
-            infos = [r["info"] for r in per_rank]
-            sample["phases_max_s"] = {k: max(i[k] for i in infos) for k in keys}
-            # the last rank to finish writing (stall + write: its drain starts when its call stages):
-            # its commit_s is the real commit; the others' include waiting for it in the all_gather
-            last = max(infos, key=lambda i: i["stall_s"] + i["write_s"])
-            sample["phases_last_writer_s"] = {k: last[k] for k in keys}
-            sample["bytes_written_by_rank"] = [i["bytes_written"] for i in infos]
-        if prof is not None:
-            import io
-            import pstats
+def _configure(engine: Any, system: str) -> None:
+    from unickpt.pipeline import SaveOptions
 
-            buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
-            sample["profile_rank0_caller_thread"] = buf.getvalue().strip().splitlines()
-        return sample
+    defaults = SaveOptions()
+    opts = {f: getattr(defaults, f) for f in _OPTION_FIELDS}
+    engine.configure(**{**opts, **UNICKPT_VARIANTS.get(system, {})})
 
-    def warmup(self) -> None:
-        """One tiny save with every method (and a load with each library), untimed: imports, gloo
-        connections of every group, unickpt's engines, DCP's code paths. Leaves unickpt's staging pools
-        tiny, so the first timed save still has to allocate them."""
-        import torch
-        import unickpt
 
-        tiny = {"w": torch.zeros(16), "step": 0}
-        d = os.path.join(self.root, "warmup")
-        for m in self.args.methods:
-            p = os.path.join(d, m)
-            if m.startswith("unickpt"):
-                unickpt.save(p, tiny, async_save=m == "unickpt_async",
-                             process_group=self.pg_unickpt_async if m == "unickpt_async" else None).wait()
-                unickpt.load(p, tiny)
-            elif m.startswith("torch_save"):
-                os.makedirs(p, exist_ok=True)
-                torch.save(tiny, os.path.join(p, f"rank{self.rank}.pt"))
-            elif m == "dcp_sync":
-                self.dcp.save(tiny, checkpoint_id=p)
-                self.dcp.load(tiny, checkpoint_id=p)
+def _tensor_bytes(obj: Any) -> int:
+    import torch
+
+    if hasattr(obj, "to_local"):
+        obj = obj.to_local()
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _files(path: str) -> dict[str, int]:
+    return {os.path.relpath(os.path.join(d, f), path): os.path.getsize(os.path.join(d, f))
+            for d, _, fs in os.walk(path) for f in fs}
+
+
+def _bench(cfg: dict) -> Bench:
+    key = json.dumps({k: cfg[k] for k in ("size_gb", "hidden")})
+    if key not in _BENCH:
+        _BENCH.clear()
+        _BENCH[key] = Bench(cfg)
+    return _BENCH[key]
+
+
+def _record(system: str, scenario: str, ws: int, nbytes: int, **kw: Any) -> dict:
+    rec = {"system": system, "scenario": scenario, "world_size": ws, "bytes": nbytes, "stall_s": None,
+           "durable_s": None, "step_time_s": None, "bytes_per_rank": None}
+    rec.update(kw)
+    return rec
+
+
+def _med(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return round(statistics.median(xs), 4) if xs else None
+
+
+def scenario_save(cfg: dict) -> list[dict] | None:
+    b = _bench(cfg)
+    systems = [s for s in SAVE_SYSTEMS if cfg["systems"] is None or s in cfg["systems"]]
+    samples: dict[str, list] = {s: [] for s in systems}
+    info: dict[str, dict] = {}
+    for it in range(1 + cfg["repeats"]):
+        for s in systems:  # round robin: drift of a shared machine spreads over all systems
+            path = os.path.join(cfg["root"], f"save-{s}-{it}")
+            b.dist.barrier()
+            t0 = time.perf_counter()
+            snap, durable, h = b.start(s, path)
+            snap()
+            t1 = time.perf_counter()
+            durable()
+            t2 = time.perf_counter()
+            st = h.stats.as_dict() if hasattr(h, "stats") else None
+            per = b.gather((t1 - t0, t2 - t0, st))
+            b.dist.barrier()
+            files = _files(path) if b.rank == 0 else {}
+            if it > 0:
+                samples[s].append((max(p[0] for p in per), max(p[1] for p in per)))
+            info[s] = {"files": files, "stats": [p[2] for p in per]}
+            if it == cfg["repeats"] and s in ("unickpt-sync", "dcp"):
+                _BENCH_LAST[s] = path  # kept for the load scenario
             else:
-                kw = {"async_stager": self.warmup_stager} if m == "dcp_async_stager" else {}
-                fut = self.dcp.async_save(tiny, checkpoint_id=p, process_group=self.pg_dcp_async, **kw)
-                getattr(fut, "upload_completion", fut).result()
-        self.rm(d)
+                b.rm(path)
+    if b.rank != 0:
+        return None
+    out = []
+    for s in systems:
+        stats = info[s]["stats"]
+        per_rank = _bytes_per_rank(s, info[s]["files"], b.ws, stats)
+        mean = sum(per_rank) / len(per_rank) if per_rank else 0
+        rec = _record(s, "save", b.ws, b.state_bytes, stall_s=_med([x[0] for x in samples[s]]),
+                      durable_s=_med([x[1] for x in samples[s]]), bytes_per_rank=per_rank,
+                      max_mean_bytes=round(max(per_rank) / mean, 4) if mean else None,
+                      stall_samples_s=[round(x[0], 4) for x in samples[s]],
+                      durable_samples_s=[round(x[1], 4) for x in samples[s]],
+                      bytes_on_disk=sum(info[s]["files"].values()))
+        if stats[0]:
+            keys = ("plan_s", "pool_wait_s", "stage_s", "snapshot_s", "ring_wait_s", "checksum_s", "merge_wait_s",
+                    "write_s", "upload_s", "commit_s", "total_s")
+            rec["stages_max_s"] = {k: round(max(st[k] for st in stats), 4) for k in keys}
+            rec["collectives"] = stats[0]["collectives"]
+            rec["plan_cache_hit"] = stats[0]["plan_cache_hit"]
+            rec["pool_capacity"] = stats[0]["pool_capacity"]
+            rec["streamed"] = any(st["streamed"] for st in stats)
+        out.append(rec)
+    return out
 
-    # ---- loads --------------------------------------------------------------------------------------
-    def zero_state(self) -> None:
-        torch = self.torch
-        msd, osd = self.get_state_dict(self.model, self.optim)
-        with torch.no_grad():
-            for _, t in _tensors({"model": msd, "optim": osd, "extra": self.extra}, []):
-                t.zero_()
-        self.unickpt_state["step"] = self.dcp_state["step"] = -1
 
-    def snapshot(self) -> dict:
-        msd, osd = self.get_state_dict(self.model, self.optim)
-        return {p: t.clone() for p, t in _tensors({"model": msd, "optim": osd, "extra": self.extra}, [])}
+def _bytes_per_rank(system: str, files: dict, ws: int, stats: list) -> list[int]:
+    if stats and stats[0]:
+        return list(stats[0]["bytes_per_rank"])
+    per = [0] * ws
+    for f, n in files.items():
+        name = os.path.basename(f)
+        if system.startswith("dcp") and name.endswith(".distcp"):  # __<rank>_<n>.distcp
+            per[int(name.strip("_").split("_")[0])] += n
+        elif system == "torch.save" and name.endswith(".pt"):
+            per[0] += n
+    return per
 
-    def matches(self, ref: dict, state: dict) -> bool:
-        now = self.snapshot()
-        return (now.keys() == ref.keys() and all(self.torch.equal(now[k], ref[k]) for k in ref)
-                and state["step"] == 1)
 
-    def load_once(self, method: str, path: str, cold: bool) -> dict:
-        import unickpt
+def scenario_train(cfg: dict) -> list[dict] | None:
+    b = _bench(cfg)
+    default = QUICK_TRAIN_SYSTEMS if cfg["quick"] else FULL_TRAIN_SYSTEMS
+    systems = [s for s in TRAIN_SYSTEMS if (s in default if cfg["systems"] is None else s in cfg["systems"])
+               or s == "none"]
+    k, saves = cfg["steps_between"], cfg["saves"]
+    steps = 1 + k * saves + k  # the last save drains during the last k steps
+    out = []
+    baseline = None
+    for s in systems:
+        if s != "none":  # warm-up save: rings, plan cache, writer process, DCP's cached copies
+            snap, durable, _ = b.start(s, os.path.join(cfg["root"], f"train-{s}-warmup"))
+            snap()
+            durable()
+            b.rm(os.path.join(cfg["root"], f"train-{s}-warmup"))
+        b.dist.barrier()
+        rows = []  # (step seconds without the stall, stall, a save was in flight during the step)
+        pending: list[_Waiter] = []
+        seed = 10_000
+        for i in range(steps):
+            seed += 1
+            t0 = time.perf_counter()
+            stall = 0.0
+            busy = any(not w.done() for w in pending)
+            snap = h = before = None
+            if s != "none" and i >= 1 and (i - 1) % k == 0 and len(pending) < saves:
+                path = os.path.join(cfg["root"], f"train-{s}-{i}")
+                c0 = time.perf_counter()
+                snap, durable, h = b.start(s, path)
+                stall += time.perf_counter() - c0
+                pending.append(_Waiter(c0, durable, h, path, pending[-1] if pending else None, b.rank))
+                busy = True
+                before = getattr(getattr(h, "stats", None), "stall_s", None)
+            b.forward_backward(seed)
+            if snap is not None and s == "dcp-async-cached":
+                c0 = time.perf_counter()
+                snap()  # DCP's best configuration: wait for its background staging only now
+                stall += time.perf_counter() - c0
+            b.optim.step()  # unickpt overlap: its pre-hook waits here and adds the wait to stats.stall_s
+            b.optim.zero_grad(set_to_none=True)
+            if before is not None and s == "unickpt-async-overlap":
+                stall += max(0.0, h.stats.stall_s - before)
+            rows.append((time.perf_counter() - t0 - stall, stall if snap is not None else None, busy))
+        for w in pending:
+            w.join()
+        per = b.gather((rows, [w.durable_s for w in pending]))
+        for w in pending:
+            b.rm(w.path)
+        if b.rank != 0:
+            continue
+        # a step's time is the slowest rank's (FSDP's collectives keep the ranks in step)
+        step_rows = [(max(p[0][i][0] for p in per), max((p[0][i][1] for p in per if p[0][i][1] is not None),
+                                                         default=None), any(p[0][i][2] for p in per))
+                     for i in range(steps)]
+        body = step_rows[1:]  # step 0 warms up
+        if s == "none":
+            baseline = _med([r[0] for r in body])
+            out.append(_record(s, "train", b.ws, b.state_bytes, step_time_s=baseline, steps=len(body),
+                               step_samples_s=[round(r[0], 4) for r in body]))
+            continue
+        busy_steps = [r[0] for r in body if r[2]]
+        stalls = [r[1] for r in step_rows if r[1] is not None]
+        durables = [max(d) for d in zip(*[p[1] for p in per])]
+        step_time = _med(busy_steps)
+        out.append(_record(
+            s, "train", b.ws, b.state_bytes, stall_s=_med(stalls), durable_s=_med(durables), step_time_s=step_time,
+            baseline_step_time_s=baseline,
+            interference=round(step_time / baseline - 1, 4) if step_time and baseline else None,
+            stall_samples_s=[round(x, 4) for x in stalls], durable_samples_s=[round(x, 4) for x in durables],
+            busy_steps=len(busy_steps), idle_step_time_s=_med([r[0] for r in body if not r[2]]),
+            step_samples_s=[round(r[0], 4) for r in body]))
+    return out if b.rank == 0 else None
 
-        if cold:
-            self.dist.barrier()
-            if self.rank == 0:
-                _evict(path)
-        self.dist.barrier()
+
+class _Waiter:
+    """Times a save's durability in a thread (the loop must not block on it); then, on rank 0,
+    deletes the previous checkpoint of the loop (``keep_last=1`` retention, as a Checkpointer does
+    after each commit), so that the page cache does not grow by a checkpoint per save."""
+
+    def __init__(self, t0: float, durable: Callable, handle: Any, path: str, previous: "_Waiter | None" = None,
+                 rank: int = 0):
+        self.t0, self.handle, self.path = t0, handle, path
+        self.durable_s: float | None = None
+        self._t = threading.Thread(target=self._run, args=(durable, previous, rank), daemon=True)
+        self._t.start()
+
+    def _run(self, durable: Callable, previous: "_Waiter | None", rank: int) -> None:
+        durable()
+        self.durable_s = time.perf_counter() - self.t0
+        if previous is not None and rank == 0:
+            previous.join()
+            shutil.rmtree(previous.path, ignore_errors=True)
+
+    def done(self) -> bool:
+        return not self._t.is_alive()
+
+    def join(self) -> None:
+        self._t.join()
+
+
+def scenario_replicated(cfg: dict) -> list[dict] | None:
+    """Every tensor on every rank (data parallel), skewed sizes; what each rank writes."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import unickpt
+    from unickpt.engine import get_engine
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    scale = cfg["size_gb"] / 1.5
+    sizes = [int(16e6 * scale), int(4e6 * scale), int(4e6 * scale), int(1e6 * scale)] + \
+        [int(x) for x in torch.randint(1, int(2e5 * scale) + 2, (40,), generator=g)] + [1, 7, 64]
+    state = {f"t{i}": torch.randn(n, generator=g).reshape(-1, 64) if n % 64 == 0 else torch.randn(n, generator=g)
+             for i, n in enumerate(sizes)}
+    total = sum(t.numel() * 4 for t in state.values())
+    out = []
+    for s in ("unickpt-async", "dcp"):
+        path = os.path.join(cfg["root"], f"rep-{s}")
+        dist.barrier()
         t0 = time.perf_counter()
-        bytes_read = None
-        if method == "unickpt":
-            bytes_read = unickpt.load(path, self.unickpt_state).bytes_read
+        if s == "dcp":
+            dcp.save(state, checkpoint_id=path)
+            per_rank = None
         else:
-            self.dcp.load(self.dcp_state, checkpoint_id=path)
-        t1 = time.perf_counter()
-        per_rank = self.gather((t1 - t0, bytes_read))
-        return {"total_s": max(t for t, _ in per_rank),
-                "bytes_read": None if bytes_read is None else sum(b for _, b in per_rank)}
+            _configure(get_engine(), s)
+            h = unickpt.save(path, state, async_save=True)
+            h.wait()
+            per_rank = h.stats.bytes_per_rank
+        dt = max(p for p in _gather(time.perf_counter() - t0))
+        dist.barrier()
+        if rank == 0:
+            per_rank = per_rank or _bytes_per_rank(s, _files(path), ws, [None])
+            mean = sum(per_rank) / ws
+            out.append(_record(s, "replicated", ws, total, durable_s=round(dt, 4), bytes_per_rank=per_rank,
+                               max_mean_bytes=round(max(per_rank) / mean, 4)))
+            shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+    return out if rank == 0 else None
 
 
-def summarize(samples: list[dict], state_bytes: int) -> dict:
-    """{"first": ..., "steady": medians over the rest} in ms and GB/s."""
-    def row(ss: list[dict]) -> dict | None:
-        if not ss:
-            return None
-        stall = _median([s["stall_s"] for s in ss]) if "stall_s" in ss[0] else None
-        total = _median([s["total_s"] for s in ss])
-        out = {"n": len(ss), "total_ms": round(total * 1e3, 1),
-               "total_min_ms": round(min(s["total_s"] for s in ss) * 1e3, 1),
-               "total_max_ms": round(max(s["total_s"] for s in ss) * 1e3, 1),
-               "throughput_gbps": round(state_bytes / total / 1e9, 3)}
-        if stall is not None:
-            out = {"n": len(ss), "stall_ms": round(stall * 1e3, 1),
-                   "stall_min_ms": round(min(s["stall_s"] for s in ss) * 1e3, 1),
-                   "stall_max_ms": round(max(s["stall_s"] for s in ss) * 1e3, 1), **{k: v for k, v in out.items()
-                                                                                     if k != "n"}}
-        for key in ("phases_max_s", "phases_last_writer_s"):
-            if key in ss[0]:
-                out["unickpt_" + key[:-2] + "_ms"] = {k: round(_median([s[key][k] for s in ss]) * 1e3, 1)
-                                                    for k in ss[0][key]}
-        return out
+def _gather(x: Any) -> list:
+    import torch.distributed as dist
 
-    return {"first": row(samples[:1]), "steady": row(samples[1:])}
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return out
 
 
-def worker(args: argparse.Namespace) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def scenario_flat(cfg: dict) -> list[dict] | None:
+    """Flat-range shards (rows cut anywhere): stored as they are vs merged into row blocks."""
     import torch
     import torch.distributed as dist
 
     import unickpt
+    from unickpt.engine import get_engine
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    t_start = time.perf_counter()
-    load0 = os.getloadavg()
-    if rank == 0:
-        base = args.dir or tempfile.gettempdir()
-        os.makedirs(base, exist_ok=True)
-        root = tempfile.mkdtemp(prefix="unickpt-bench-", dir=base)
-    else:
-        root = None
-    box = [root]
-    dist.broadcast_object_list(box, src=0)
-    root = box[0]
-
-    def log(msg: str) -> None:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    d = cfg["hidden"]
+    rows_total = max(ws, int(cfg["size_gb"] * 1e9 / 4 / 4 / d))  # a quarter of the state, fp32
+    shapes = [(8192, d)] + [(4 * d, d)] * max(1, (rows_total - 8192) // (4 * d)) + [(3 * d, d), (d,), (1,)]
+    g = torch.Generator().manual_seed(rank)
+    state, full_rows = {}, {}
+    for i, shape in enumerate(shapes):
+        n = 1
+        for x in shape:
+            n *= x
+        lo, hi = n * rank // ws + (7 if rank else 0), n * (rank + 1) // ws + (7 if rank + 1 < ws else 0)
+        lo, hi = min(lo, n), min(hi, n)
+        state[f"w{i}"] = unickpt.Shard(torch.randn(hi - lo, generator=g), shape, flat_range=(lo, hi - lo))
+        full_rows[f"w{i}"] = shape
+    total = sum(v.tensor.numel() * 4 for v in state.values())
+    total = sum(_gather(total))
+    out = []
+    for s in ("unickpt-store", "unickpt-merge"):
+        _configure(get_engine(), s)
+        stalls, durables, loads, reshards = [], [], [], []
+        for it in range(1 + cfg["repeats"]):
+            path = os.path.join(cfg["root"], f"flat-{s}-{it}")
+            dist.barrier()
+            t0 = time.perf_counter()
+            h = unickpt.save(path, state, async_save=True)
+            t1 = time.perf_counter()
+            h.wait()
+            t2 = time.perf_counter()
+            target = {k: unickpt.Shard(torch.empty_like(v.tensor), v.global_shape, flat_range=(v.spec.start, v.spec.length))
+                      for k, v in state.items()}
+            dist.barrier()
+            t3 = time.perf_counter()
+            unickpt.load(path, target)
+            t4 = time.perf_counter()
+            ok = all(torch.equal(target[k].tensor, state[k].tensor) for k in state)
+            boxes = {}
+            for k, shape in full_rows.items():
+                r0, r1 = shape[0] * rank // ws, shape[0] * (rank + 1) // ws
+                boxes[k] = unickpt.Shard(torch.empty((r1 - r0,) + shape[1:]), shape, offsets=(r0,) + (0,) * (len(shape) - 1))
+            dist.barrier()
+            t5 = time.perf_counter()
+            unickpt.load(path, boxes)
+            t6 = time.perf_counter()
+            per = _gather((t1 - t0, t2 - t0, t4 - t3, t6 - t5, ok, h.stats.p2p_sends, h.stats.merge_bytes_sent))
+            if it > 0:
+                stalls.append(max(p[0] for p in per))
+                durables.append(max(p[1] for p in per))
+                loads.append(max(p[2] for p in per))
+                reshards.append(max(p[3] for p in per))
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+            dist.barrier()
         if rank == 0:
-            print(f"[bench {time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
+            out.append(_record(s, "flat", ws, total, stall_s=_med(stalls), durable_s=_med(durables),
+                               load_s=_med(loads), reshard_load_s=_med(reshards), verified=all(p[4] for p in per),
+                               p2p_sends=sum(p[5] for p in per), merge_bytes_sent=sum(p[6] for p in per)))
+    return out if rank == 0 else None
 
-    try:
-        b = Bench(args, root)
-        log(f"world {b.ws}, {b.layers} x Linear({args.hidden},{args.hidden}) FSDP2 + AdamW + replicated: "
-            f"unique state {b.state_bytes / 1e6:.1f} MB, per rank "
-            f"{[round(x / 1e6, 1) for x in b.local_bytes_by_rank]} MB -> checkpoints under {root}")
-        if not args.no_warmup:
-            b.warmup()
-            log("warm-up done (a tiny save with every method)")
-        samples: dict[str, list[dict]] = {m: [] for m in args.methods}
-        for it in range(1 + args.repeats):
-            for m in args.methods:
-                s = b.save_once(m, it, profile=m in args.profile and it == 0)
-                samples[m].append(s)
-                log(f"save {m:<18} it {it}: stall {s['stall_s'] * 1e3:8.1f} ms  total {s['total_s'] * 1e3:8.1f} ms")
-        profiles: dict[str, dict] = {}
-        for m in args.profile:  # steady-state profile: one extra iteration, not in the statistics
-            extra_it = b.save_once(m, 1 + args.repeats, profile=True)
-            profiles[m] = {"iteration_0": samples[m][0].pop("profile_rank0_caller_thread", None),
-                           "extra_steady_iteration": extra_it.get("profile_rank0_caller_thread"),
-                           "extra_steady_stall_ms": round(extra_it["stall_s"] * 1e3, 1)}
 
-        loads: dict[str, dict] = {}
-        if not args.no_load:
-            sources = {"unickpt": b.last_dir.get("unickpt_sync") or b.last_dir.get("unickpt_async"),
-                       "dcp": b.last_dir.get("dcp_sync") or b.last_dir.get("dcp_async")}
-            ref = b.snapshot()
-            for m in LOAD_METHODS:
-                path = sources[m]
-                if path is None:
-                    continue
-                # verified warm-up load: zero everything, load, compare bit for bit
-                b.zero_state()
-                zeroed = all(float(t.abs().sum()) == 0 for t in b.snapshot().values())
-                first = b.load_once(m, path, cold=False)
-                ok = b.matches(ref, b.unickpt_state if m == "unickpt" else b.dcp_state)
-                ok_all = all(b.gather(ok and zeroed))
-                log(f"load {m:<8} first (verified={ok_all}): {first['total_s'] * 1e3:8.1f} ms")
-                warm = [b.load_once(m, path, cold=False) for _ in range(args.load_repeats)]
-                cold = [b.load_once(m, path, cold=True) for _ in range(args.load_repeats)]
-                for kind, ss in (("warm", warm), ("cold", cold)):
-                    log(f"load {m:<8} {kind}: median {_median([s['total_s'] for s in ss]) * 1e3:8.1f} ms")
-                loads[m] = {"source": os.path.basename(path), "verified_bitwise": ok_all,
-                            "bytes_read_all_ranks": first["bytes_read"],
-                            "first": summarize([first], b.state_bytes)["first"],
-                            "warm": summarize([first] + warm, b.state_bytes)["steady"],
-                            "cold": summarize([first] + cold, b.state_bytes)["steady"]}
-            last = b.unickpt_state if m == "unickpt" else b.dcp_state
-            if not all(b.gather(b.matches(ref, last))):
-                log("WARNING: state differs from the saved one after the load benchmark")
+def scenario_load(cfg: dict) -> list[dict] | None:
+    import torch
+
+    import unickpt
+
+    b = _bench(cfg)
+    last = cfg.get("_last_paths") or {}
+    out = []
+    ref = _snapshot(b)
+    for system, key in (("unickpt", "unickpt-sync"), ("dcp", "dcp")):
+        path = last.get(key)
+        if path is None:
+            continue
+        _zero(b)
+        times = []
+        ok = True
+        for it in range(1 + cfg["repeats"]):
+            b.dist.barrier()
+            t0 = time.perf_counter()
+            if system == "unickpt":
+                unickpt.load(path, b.unickpt_state)
+            else:
+                import torch.distributed.checkpoint as dcp
+
+                dcp.load(b.dcp_state, checkpoint_id=path)
+            dt = max(_gather(time.perf_counter() - t0))
+            if it == 0:
+                now = _snapshot(b)
+                ok = all(_gather(now.keys() == ref.keys() and all(torch.equal(now[k], ref[k]) for k in ref)))
+            times.append(dt)
+        if b.rank == 0:
+            out.append(_record(system, "load", b.ws, b.state_bytes, load_s=_med(times[1:] or times), verified=ok,
+                               first_load_s=round(times[0], 4)))
+    return out if b.rank == 0 else None
+
+
+def _snapshot(b: Bench) -> dict:
+    msd, osd = b.get_state_dict(b.model, b.optim)
+    flat: dict = {}
+    _walk({"m": msd, "o": osd}, "", flat)
+    return {k: v.clone() for k, v in flat.items()}
+
+
+def _zero(b: Bench) -> None:
+    msd, osd = b.get_state_dict(b.model, b.optim)
+    flat: dict = {}
+    _walk({"m": msd, "o": osd}, "", flat)
+    with b.torch.no_grad():
+        for v in flat.values():
+            v.zero_()
+
+
+def _walk(obj: Any, prefix: str, out: dict) -> None:
+    import torch
+
+    if hasattr(obj, "to_local"):
+        obj = obj.to_local()
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _walk(v, f"{prefix}.{k}", out)
+
+
+def _setup(cfg: dict) -> dict:
+    """Every rank: build the state (once); returns a description from rank 0."""
+    b = _bench(cfg)
+    return {"layers": b.layers, "vocab": b.vocab, "hidden": cfg["hidden"], "state_bytes": b.state_bytes,
+            "local_bytes": b.local_bytes}
+
+
+def _scenario_load_last(cfg: dict) -> list[dict] | None:
+    out = scenario_load(dict(cfg, _last_paths=dict(_BENCH_LAST)))
+    for path in _BENCH_LAST.values():
+        _bench(cfg).rm(path)
+    _BENCH_LAST.clear()
+    return out
+
+
+def _cleanup(cfg: dict) -> None:
+    import torch.distributed as dist
+
+    from unickpt.engine import get_engine
+
+    get_engine().wait()
+    b = _BENCH.pop(next(iter(_BENCH)), None) if _BENCH else None
+    if b is not None:
         b.stager.close()
-        b.warmup_stager.close()
-        wall = time.perf_counter() - t_start
-
-        if rank == 0:
-            result = {
-                "benchmark": "save_load",
-                "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "machine": {
-                    "cpu_count": os.cpu_count(),
-                    "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-                    "loadavg_at_start": [round(x, 2) for x in load0],
-                    "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
-                    "mem_total_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
-                    "platform": platform.platform(),
-                    "python": platform.python_version(),
-                    "torch": torch.__version__,
-                    "unickpt": unickpt.__version__,
-                    "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-                    "checkpoint_dir": root,
-                },
-                "config": {"world_size": b.ws, "size_mb": args.size_mb, "hidden": args.hidden,
-                           "layers": b.layers, "repeats": args.repeats, "load_repeats": args.load_repeats,
-                           "methods": args.methods, "backend": "gloo (CPU)"},
-                "state": {"unique_bytes": b.state_bytes, "param_bytes": b.param_bytes,
-                          "replicated_bytes": b.replicated_bytes, "local_bytes_by_rank": b.local_bytes_by_rank,
-                          "tensors_per_rank": b.n_tensors},
-                "notes": [
-                    "Times in ms; a sample is the slowest rank's time, measured from a barrier; "
-                    "'first' = iteration 0 (warm-up), 'steady' = median of the next `repeats` iterations.",
-                    "throughput_gbps = state.unique_bytes / total time (1 GB = 1e9 B), for every method, even "
-                    "those that write more bytes (bytes_on_disk).",
-                    "Durability: unickpt fsyncs its data files and commits metadata.json atomically (fsync + "
-                    "rename + dir fsync); DCP's FileSystemWriter fsyncs (sync_files=True, the default); "
-                    "'torch_save' = torch.save + fsync of each file (+ dir fsync) for a fair comparison; "
-                    "'torch_save_nofsync' = plain torch.save, whose data may still be only in the page cache "
-                    "when it returns.",
-                    "torch.save writes every rank's replicated tensors (no dedup), so it writes more bytes; "
-                    "unickpt and DCP write each replicated tensor once.",
-                    "Before timing, a process-wide warm-up saves a tiny state with every method (imports, "
-                    "gloo connections, unickpt engines, DCP code paths); unickpt's staging pools stay tiny, so "
-                    "its first timed save still allocates and pre-faults them ('first'). unickpt_* phases: "
-                    "'_max' = max over ranks per phase; '_last_writer' = the rank that finished writing last "
-                    "(largest stall + write; the other ranks' commit_s includes waiting for it in the commit "
-                    "all_gather).",
-                    "--profile METHOD: cProfile of rank 0's calling thread (what the stall is made of) at "
-                    "iteration 0 (counted in 'first', with the profiler's small overhead) and in one extra "
-                    "steady iteration that is not counted. Background writer threads are not profiled.",
-                    "Each iteration writes into a new directory; the previous one of the same method is "
-                    "deleted afterwards (only the newest is kept for the loads).",
-                    "stall = time the save call blocked the caller (for sync methods = total); total = until "
-                    "committed (unickpt: handle.wait(); DCP async: upload future resolved).",
-                    "dcp_async: dcp.async_save defaults (a new DefaultStager per call -> fresh CPU copy of the "
-                    "whole local state, replicas included, every call); dcp_async_stager reuses one "
-                    "DefaultStager (cached CPU copies).",
-                    "Loads: 'warm' = files in the page cache (just written); 'cold' = pages dropped with "
-                    "posix_fadvise(DONTNEED) before each load (a VM host cache may remain). The first load "
-                    "of each method is verified bit-for-bit after zeroing the state.",
-                    f"{b.ws} ranks share {os.cpu_count()} CPU cores (OMP_NUM_THREADS=1); background writer "
-                    "threads compete with the ranks for CPU, and other users of the machine add noise "
-                    "(see loadavg).",
-                ],
-                "save": {m: {**summarize(ss, b.state_bytes), "bytes_on_disk": ss[-1]["bytes_on_disk"],
-                             "files_over_1mb": ss[-1]["files_over_1mb"],
-                             **({"bytes_written_by_rank": ss[-1]["bytes_written_by_rank"]}
-                                if "bytes_written_by_rank" in ss[-1] else {}),
-                             "samples": [{k: (round(v * 1e3, 1) if k.endswith("_s") else v)
-                                          for k, v in s.items() if not k.startswith(("phases", "bytes_written",
-                                                                                     "profile", "files"))}
-                                         for s in ss],
-                             **({"profile_rank0_caller_thread": profiles[m]} if m in profiles else {})}
-                         for m, ss in samples.items()},
-                "load": loads,
-                "wall_s": round(wall, 1),
-            }
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=2)
-            print_table(result)
-            print(f"\nwrote {args.out}", flush=True)
-    finally:
-        dist.barrier()
-        if rank == 0 and not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
-        dist.destroy_process_group()
+    dist.barrier()
 
 
-def print_table(r: dict) -> None:
-    st = r["state"]
-    print(f"\n== save/load: world {r['config']['world_size']}, unique state {st['unique_bytes'] / 1e6:.1f} MB "
-          f"({st['replicated_bytes'] / 1e6:.1f} MB replicated on every rank), torch {r['machine']['torch']}, "
-          f"{r['machine']['cpu_count']} CPUs, loadavg {r['machine']['loadavg_at_start'][0]}"
-          f"->{r['machine']['loadavg_at_end'][0]}")
-    fmt = "{:<20}{:>11}{:>11}{:>11}{:>11}{:>9}{:>10}"
-    print(fmt.format("save", "stall 1st", "stall med", "total 1st", "total med", "GB/s", "disk MB"))
-    for m, s in r["save"].items():
-        f, d = s["first"], s["steady"] or s["first"]
-        print(fmt.format(m, f"{f['stall_ms']:.0f}", f"{d['stall_ms']:.0f}", f"{f['total_ms']:.0f}",
-                         f"{d['total_ms']:.0f}", f"{d['throughput_gbps']:.2f}", f"{s['bytes_on_disk'] / 1e6:.0f}"))
-    if r["load"]:
-        fmt = "{:<20}{:>11}{:>11}{:>11}{:>9}{:>10}"
-        print(fmt.format("load", "first", "warm med", "cold med", "GB/s*", "verified"))
-        for m, s in r["load"].items():
-            print(fmt.format(m, f"{s['first']['total_ms']:.0f}", f"{s['warm']['total_ms']:.0f}",
-                             f"{s['cold']['total_ms']:.0f}", f"{s['cold']['throughput_gbps']:.2f}",
-                             str(s["verified_bitwise"])))
-        print("(ms; medians of steady iterations; GB/s* = unique state / cold median; sync stall = total;"
-              " all writes fsynced except torch_save_nofsync)")
+SCENARIOS: dict[str, Callable[[dict], list[dict] | None]] = {
+    "save": scenario_save, "train": scenario_train, "replicated": scenario_replicated,
+    "flat": scenario_flat, "load": _scenario_load_last,
+}
+
+
+# --------------------------------------------------------------------------------------------- #
+# Driver
+# --------------------------------------------------------------------------------------------- #
+def run_world(pool: Any, world_size: int, cfg: dict, log: Callable[[str], None] = print) -> list[dict]:
+    """Every selected scenario on ``pool`` (a :class:`unickpt.testing.DistPool` of ``world_size``
+    ranks); returns the records. ``cfg`` as :func:`make_cfg` builds it."""
+    records: list[dict] = []
+    desc = pool.run(_setup, cfg)[0]
+    log(f"world {world_size}: GPT {desc['layers']} x d{desc['hidden']} (vocab {desc['vocab']}), state "
+        f"{desc['state_bytes'] / 1e9:.2f} GB, per rank {[round(x / 1e9, 3) for x in desc['local_bytes']]} GB")
+    for name in cfg["scenarios"]:
+        if name not in SCENARIOS:
+            raise ValueError(f"unknown scenario {name!r}; choose from {sorted(SCENARIOS)}")
+        t0 = time.perf_counter()
+        recs = pool.run(SCENARIOS[name], cfg)[0] or []
+        for r in recs:
+            r["world_size"] = world_size
+        records += recs
+        log(f"world {world_size}: {name} done in {time.perf_counter() - t0:.0f} s")
+        for r in recs:
+            log("   " + _row(r))
+    pool.run(_cleanup, cfg)
+    return records
+
+
+def make_cfg(args: argparse.Namespace, root: str) -> dict:
+    return {"size_gb": args.size_gb, "hidden": args.hidden, "repeats": args.repeats, "saves": args.saves,
+            "quick": args.quick,
+            "steps_between": args.steps_between, "scenarios": args.scenarios, "systems": args.systems, "root": root}
+
+
+def _row(r: dict) -> str:
+    def f(x, nd=3):
+        return "-" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+    extra = []
+    for k in ("interference", "max_mean_bytes", "durable_vs_disk", "load_s", "reshard_load_s", "verified"):
+        if r.get(k) is not None:
+            extra.append(f"{k}={f(r[k])}")
+    return (f"{r['system']:<24}{r['scenario']:<12}{r['world_size']:>3}{r['bytes'] / 1e9:>8.2f}"
+            f"{f(r['stall_s']):>10}{f(r['durable_s']):>10}{f(r['step_time_s']):>10}  " + " ".join(extra))
+
+
+def targets(records: list[dict], disk_gbps: float) -> list[dict]:
+    """The issue's targets, one record per world size (medians from the records)."""
+    out = []
+    by = {(r["system"], r["scenario"], r["world_size"]): r for r in records}
+    for ws in sorted({r["world_size"] for r in records if r["world_size"]}):
+        def get(system, scenario, key):
+            r = by.get((system, scenario, ws))
+            return None if r is None else r.get(key)
+
+        t: dict = {}
+        ts, ua, dc = get("torch.save", "save", "stall_s"), get("unickpt-async", "save", "stall_s"), \
+            get("dcp-async-cached", "save", "stall_s")
+        if ua and dc:  # no compute to overlap with: stall = until the snapshot is complete
+            t["save_stall_unickpt_s"], t["save_stall_dcp_best_s"] = ua, dc
+        if ts and ua:
+            t["save_stall_torch_save_over_unickpt"] = round(ts / ua, 1)
+        tr = {s: get(s, "train", "stall_s") for s in ("unickpt-async", "unickpt-async-overlap", "dcp-async-cached")}
+        cands = {k: v for k, v in tr.items() if k.startswith("unickpt") and v is not None}
+        if cands:  # the training loop's view (overlapping the snapshot with forward/backward is allowed)
+            best = min(cands, key=cands.get)
+            t["train_stall_unickpt_best"] = {"system": best, "stall_s": cands[best]}
+            if ts:
+                t["stall_torch_save_over_unickpt"] = round(ts / cands[best], 1)
+                t["stall_20x_lower_than_torch_save"] = ts / cands[best] >= 20
+            if tr["dcp-async-cached"] is not None:
+                t["train_stall_dcp_best_s"] = tr["dcp-async-cached"]
+                t["stall_not_above_dcp_best"] = cands[best] <= tr["dcp-async-cached"]
+        ud, dd = get("unickpt-async", "save", "durable_s"), get("dcp-async-cached", "save", "durable_s")
+        nbytes = get("unickpt-async", "save", "bytes")
+        if ud and nbytes and disk_gbps:
+            ideal = nbytes / (disk_gbps * 1e9)
+            t["durable_over_disk_ideal"] = round(ud / ideal, 3)
+            t["durable_within_1_25x_disk"] = ud / ideal <= 1.25
+            udd = get("unickpt-async-direct", "save", "durable_s")
+            if udd:
+                t["durable_direct_over_disk_ideal"] = round(udd / ideal, 3)
+        if ud and dd:
+            t["durable_dcp_over_unickpt"] = round(dd / ud, 2)
+            t["durable_2x_faster_than_dcp"] = dd / ud >= 2
+            udd = get("unickpt-async-direct", "save", "durable_s")
+            if udd:
+                t["durable_dcp_over_unickpt_direct"] = round(dd / udd, 2)
+        inter = {s: get(s, "train", "interference") for s in TRAIN_SYSTEMS if s != "none"}
+        t["interference"] = inter
+        if inter.get("unickpt-async") is not None:
+            t["interference_below_10pct"] = inter["unickpt-async"] < 0.10
+        mm = get("unickpt-async", "replicated", "max_mean_bytes")
+        if mm is not None:
+            t["replicated_max_mean_bytes"] = mm
+            t["max_mean_below_1_1"] = mm < 1.1
+        out.append(_record("summary", "targets", ws, nbytes or 0, **t))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if "LOCAL_RANK" not in os.environ:  # not under torchrun: launch ourselves
-        return launch(args, argv)
-    worker(args)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path.insert(0, HERE)
+    from unickpt.testing import DistPool
+
+    base = args.dir or tempfile.gettempdir()
+    os.makedirs(base, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="unickpt-bench-", dir=base)
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[bench {time.perf_counter() - t_start:6.0f}s] {msg}", flush=True)
+
+    records: list[dict] = []
+    try:
+        disk_bytes = (512 << 20) if args.quick else (1 << 30)
+        disk = disk_bandwidth(root, disk_bytes)
+        log(f"disk sequential write: direct {disk['direct']} GB/s, buffered+fsync {disk['buffered']} GB/s ({root})")
+        load0 = os.getloadavg()
+        extra = [importlib.import_module(m) for m in args.extra]
+        for ws in args.world_sizes:
+            wroot = os.path.join(root, f"w{ws}")
+            os.makedirs(wroot, exist_ok=True)
+            cfg = make_cfg(args, wroot)
+            with DistPool(ws, timeout_s=args.timeout) as pool:
+                records += run_world(pool, ws, cfg, log)
+                for mod in extra:
+                    records += mod.bench_world(pool, ws, cfg)
+            shutil.rmtree(wroot, ignore_errors=True)
+        disk_after = disk_bandwidth(root, disk_bytes)
+        log(f"disk sequential write (after): direct {disk_after['direct']} GB/s, buffered {disk_after['buffered']} GB/s")
+        ref = max(disk["direct"], disk_after["direct"])
+        for r in records:
+            if r["scenario"] == "save" and r.get("durable_s"):
+                r["durable_vs_disk"] = round(r["durable_s"] / (r["bytes"] / (ref * 1e9)), 3)
+                r["throughput_gbps"] = round(r["bytes"] / r["durable_s"] / 1e9, 3)
+        env = _record("machine", "environment", 0, 0, cpu_count=os.cpu_count(), loadavg_start=list(load0),
+                      loadavg_end=list(os.getloadavg()), platform=platform.platform(), python=platform.python_version(),
+                      torch=_torch_version(), omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+                      checkpoint_dir=root, args={k: v for k, v in vars(args).items()},
+                      wall_s=round(time.perf_counter() - t_start, 1))
+        disk_recs = [_record(f"disk-{m}", "seq-write", 1, disk_bytes,
+                             durable_s=round(disk_bytes / (max(disk[m], disk_after[m]) * 1e9), 4),
+                             throughput_gbps=max(disk[m], disk_after[m]), before_gbps=disk[m], after_gbps=disk_after[m])
+                     for m in ("direct", "buffered")]
+        records = [env] + disk_recs + records
+        records += targets(records, ref)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+        print_table(records)
+        print(f"\nwrote {args.out}", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     return 0
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def print_table(records: list[dict]) -> None:
+    print(f"\n{'system':<24}{'scenario':<12}{'ws':>3}{'GB':>8}{'stall_s':>10}{'durable_s':>10}{'step_s':>10}  other")
+    for r in records:
+        if r["system"] in ("machine", "summary"):
+            continue
+        print(_row(r))
+    for r in records:
+        if r["system"] == "summary":
+            keys = {k: v for k, v in r.items() if k not in ("system", "scenario", "bytes", "stall_s", "durable_s",
+                                                             "step_time_s", "bytes_per_rank")}
+            print(f"targets, world {r['world_size']}: {json.dumps(keys)}")
 
 
 if __name__ == "__main__":

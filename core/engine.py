@@ -1,21 +1,35 @@
-"""The engine: one per process group. Runs saves (plan -> stage -> background write -> commit) and loads.
+"""The engine: one per process group. Runs saves (plan -> stage -> pipelined drain -> commit) and loads.
 
-Save call sequence (every rank of the group):
+Save sequence (every rank of the group; the threads are :mod:`unickpt.pipeline`'s):
 
-1. caller's thread: flatten the state, build the local plan, ``all_gather`` its signature on the
-   private *plan* group; on a plan-cache miss, ``all_gather`` the plans and derive the same global
-   plan on every rank (replicas written once, balanced). Group rank 0 first refuses a committed
-   target directory and clears an incomplete one.
-2. caller's thread: stage this rank's chunks into a free staging pool (ping-pong of two) and
-   snapshot per-rank objects. This is the stall; ``save`` returns here when async.
-3. background thread (one per engine, so saves commit in order): write this rank's data file
-   (and per-rank object file), fsync, release the pool; ``all_gather`` the results on the private
-   *background* group; if every rank succeeded, group rank 0 writes ``metadata.json`` atomically
-   (the commit) and runs the ``on_commit`` callback; the outcome is broadcast so every rank's
-   handle reports the same result (:class:`~unickpt.errors.SaveFailedError` names failed ranks).
+1. caller's thread: flatten the state (tensor leaves, plain values, per-rank objects: the values
+   as of the call), build the local plan and its signature, and hand the save to the stager
+   thread. In ``sync`` snapshot mode (the default) the caller then waits until every byte is
+   staged (step 3); in ``overlap`` mode it returns at once (see :mod:`unickpt.pipeline`).
+2. stager thread, **plan**: group rank 0 refuses a committed, in-flight or foreign target directory
+   and clears an incomplete one; then the ranks agree on the plan with one small collective, a
+   fixed-size ``all_gather`` (40 bytes per rank: plan signature, options digest, error flag) on
+   the private *plan* group. When this combination of signatures was planned before (the plan
+   cache), that is the only planning collective; otherwise the local plans are gathered
+   (``all_gather_object``) and :func:`~unickpt.planner.make_save_plan` derives the same plan on
+   every rank (replicas written once and balanced, files and offsets, merge transfers). The
+   exchange cannot be skipped safely: one rank's layout may change while the others' do not, and
+   only an exchange lets all ranks hit or miss the cache together; it runs off the caller's
+   thread in ``overlap`` mode, so there it costs the training loop nothing.
+3. stager thread, **stage**: take a free staging ring (ping-pong of two; waiting only when both
+   are draining, reported as ``pool_wait_s``) and stage this rank's chunks into it.
+4. background, **drain**: checksum and write threads (or a writer process) and the uploader
+   stream the staged pieces to the data files (and the remote copy) while staging goes on.
+5. commit thread (one per engine, so saves commit in order): wait for the drain, ``all_gather``
+   the results on the private *background* group; if every rank succeeded, group rank 0 writes
+   ``metadata.json`` atomically (the commit; the remote copy's first when uploading) and runs the
+   ``on_commit`` callback; the outcome is broadcast so that every rank's handle reports the same
+   result (:class:`~unickpt.errors.SaveFailedError` names the failed ranks and stages).
 
 A failure anywhere leaves no ``metadata.json``, so the directory is never loaded, and the
-previously committed checkpoints are not touched.
+previously committed checkpoints are not touched. :class:`SaveStats` counts each save's
+collectives: ``collectives_plan`` 1 on a plan-cache hit, 3 on a miss; ``collectives_commit`` 3
+(2 for the results' ``all_gather_object``, 1 for the status broadcast; 2 more if the commit failed).
 """
 from __future__ import annotations
 
@@ -29,7 +43,7 @@ import traceback
 import uuid
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable
 
 import torch
@@ -38,47 +52,96 @@ from . import codec
 from .collectives import Comm
 from .errors import CheckpointExistsError, SaveFailedError
 from .loading import load_checkpoint
+from .merging import P2P
+from .metadata import METADATA_FILE, ChunkMeta, CheckpointMetadata, TensorMeta, is_incomplete_checkpoint
+from .pipeline import SaveJob, SaveOptions, SavePipeline
+from .planner import LocalPlan, SavePlan, _spec_key, make_local_plan, make_save_plan
 from .reader import LoadStats
-from .metadata import METADATA_FILE, ChunkMeta, is_incomplete_checkpoint, CheckpointMetadata, TensorMeta, chunk_checksums
-from .planner import GlobalPlan, LocalPlan, _spec_key, make_global_plan, make_local_plan
 from .staging import StagingPool
-from .state import check_leaf_fits, flatten
+from .state import FlatState, check_leaf_fits, flatten
 from .storage import Storage
 
-__all__ = ["Engine", "SaveHandle", "SaveStats", "get_engine"]
+__all__ = ["Engine", "SaveHandle", "SaveStats", "SaveOptions", "get_engine"]
 
 log = logging.getLogger("unickpt")
 
 PLAN_CACHE_SIZE = 8  # distinct layouts remembered per engine (e.g. model-only vs full saves)
+OVERLAP_CLONE_BYTES = 64 << 20
+"""Overlap snapshots: tensors no optimizer owns (buffers, plain tensors) up to this many bytes in all
+are cloned at the call, so that the caller returns without waiting for the plan; more are staged
+before the call returns."""
+_SIG_BYTES = 40  # error flag, 16-byte plan signature, 8-byte objects digest, 8-byte options digest
 
 
 @dataclass
 class SaveStats:
-    """Timings (seconds) and sizes (bytes) of one save on this rank."""
+    """One save on this rank. Seconds (``*_s``), bytes (``bytes*``), counts.
+
+    Stall and stages: ``stall_s`` is the time the save blocked the caller: the call itself (in
+    ``sync`` snapshot mode ``plan_s`` + ``pool_wait_s`` + ``stage_s`` and flattening), plus, in
+    ``overlap`` mode, any wait of ``optimizer.step()`` for the snapshot; ``snapshot_s`` is the time from the call
+    until every byte was staged (equal to the stall in ``sync`` snapshot mode); ``ring_wait_s`` is
+    staging time spent waiting for ring space (a state larger than the ring); ``checksum_s``,
+    ``merge_wait_s``, ``write_s`` (including fsync), ``upload_s`` are the drain stages' busy times
+    (they overlap each other and the staging); ``commit_s`` runs from the end of the drain to the
+    commit; ``total_s`` from the call to the commit.
+
+    Sizes: ``bytes_per_rank`` is what every rank writes under the plan, ``max_mean_bytes`` its
+    largest over its mean. Collectives: the plan and commit collectives this save ran (gloo
+    operations, ``all_gather_object`` counting 2), ``p2p_sends``/``p2p_recvs`` merge transfers.
+    """
 
     path: str
     step: int | None = None
-    stall_s: float = 0.0  # time the caller was blocked in save()
+    stall_s: float = 0.0
     plan_s: float = 0.0
-    pool_wait_s: float = 0.0  # part of the stall spent waiting for a free staging pool
+    pool_wait_s: float = 0.0
     stage_s: float = 0.0
+    snapshot_s: float = 0.0
+    ring_wait_s: float = 0.0
+    checksum_s: float = 0.0
+    merge_wait_s: float = 0.0
     write_s: float = 0.0
+    upload_s: float = 0.0
     commit_s: float = 0.0
-    total_s: float = 0.0  # from the call to the commit
+    total_s: float = 0.0
     bytes_staged: int = 0
     bytes_written: int = 0  # this rank's data + object files
-    plan_cache_hit: bool = False  # the layout was planned before: no plan exchange, no planning
+    bytes_uploaded: int = 0
+    bytes_per_rank: list = field(default_factory=list)
+    max_mean_bytes: float = 1.0
+    plan_cache_hit: bool = False  # the layout was planned before: only the signature exchange ran
+    collectives_plan: int = 0
+    collectives_commit: int = 0
+    p2p_sends: int = 0
+    p2p_recvs: int = 0
+    merge_bytes_sent: int = 0
+    merge_bytes_received: int = 0
+    pool_capacity: int = 0
+    pool_allocations: int = 0  # this ring's (re)allocations so far; unchanged when it was reused
+    pool_index: int = 0
+    streamed: bool = False  # the rank's bytes exceeded the ring: staged and drained in pieces
+    snapshot: str = "sync"
+    writer: str = "thread"
+    flat_ranges: str = "store"
     committed: bool = False
 
+    @property
+    def collectives(self) -> int:
+        return self.collectives_plan + self.collectives_commit
+
     def as_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["collectives"] = self.collectives
+        return d
 
 
 class SaveHandle:
     """The result of a save: ``wait()`` blocks until committed and raises the save's error, if any."""
 
-    def __init__(self, future: Future, stats: SaveStats):
+    def __init__(self, future: Future, stats: SaveStats, job: SaveJob | None = None):
         self._future = future
+        self._job = job
         self.stats = stats
         self.error_reported = False  # a failure is raised once: by wait(), or else by the engine's next wait
 
@@ -89,6 +152,15 @@ class SaveHandle:
     def done(self) -> bool:
         """True once the save has committed or failed."""
         return self._future.done()
+
+    def snapshot_done(self) -> bool:
+        """True once every byte of the state is staged (tensors may be changed freely after this)."""
+        return self._job is None or self._job.snapshot_done.is_set()
+
+    def wait_snapshot(self, timeout: float | None = None) -> bool:
+        """Block until the snapshot is complete (``overlap`` mode; immediate otherwise). Returns False
+        if ``timeout`` seconds passed first. A failed snapshot is raised by :meth:`wait`."""
+        return self._job is None or self._job.snapshot_done.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save commits. Raises SaveFailedError (or the save's error) if it failed,
@@ -101,37 +173,71 @@ class SaveHandle:
             raise
 
 
-def _local_part(leaf: Any, spec: Any) -> torch.Tensor:
-    """The part of ``leaf.local`` holding ``spec`` (a planner may split a replicated box into rows)."""
-    if spec == leaf.spec:
-        return leaf.local
-    t = leaf.local
-    for d, (o, lo, n) in enumerate(zip(spec.offsets, leaf.spec.offsets, spec.lengths)):
-        t = t.narrow(d, o - lo, n)
-    return t
-
-
 def _format_exc(e: BaseException) -> str:
     return "".join(traceback.format_exception(type(e), e, e.__traceback__))
 
 
+def _digest8(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=8).digest()
+
+
+def _optimizers(x: Any, out: list) -> list:
+    if isinstance(x, torch.optim.Optimizer):
+        out.append(x)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _optimizers(v, out)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _optimizers(v, out)
+    return out
+
+
+def _storage_ptr(t: Any) -> int | None:
+    local = getattr(t, "_local_tensor", t)  # a DTensor's shard
+    if not isinstance(local, torch.Tensor) or local.device.type == "meta" or local.numel() == 0:
+        return None
+    return local.untyped_storage().data_ptr()
+
+
+def _guarded(state: dict, flat: FlatState) -> tuple[frozenset, list]:
+    """Overlap snapshots: the fqns whose tensors belong to an optimizer in ``state`` (its parameters
+    and its state tensors: only ``optimizer.step()`` changes them), and those optimizers."""
+    optims = _optimizers(state, [])
+    ptrs = set()
+    for o in optims:
+        for g in o.param_groups:
+            ptrs.update(_storage_ptr(p) for p in g["params"])
+        for st in o.state.values():
+            ptrs.update(_storage_ptr(v) for v in st.values() if isinstance(v, torch.Tensor))
+    ptrs.discard(None)
+    fqns = frozenset(fqn for fqn, leaf in flat.tensors.items()
+                     if fqn not in flat.aliases and _storage_ptr(leaf.local) in ptrs)
+    return fqns, optims
+
+
 @dataclass
-class _SaveJob:
-    path: str
-    storage: Storage
-    plan: GlobalPlan
-    plans: list[LocalPlan]
-    stats: SaveStats
+class _Commit:
+    """One save's caller-side data, for the stager (planning) and the commit thread."""
+
+    job: SaveJob
     step: int | None
     framework: str | None
     extra: dict
     on_commit: Callable[[], None] | None
     skeleton: Any = None
-    pool: StagingPool | None = None
-    staged: list = field(default_factory=list)  # (PlannedChunk, StagedChunk)
     per_rank_blob: bytes | None = None
-    error: BaseException | None = None
+    started: bool = False
     t0: float = 0.0
+    flat: FlatState | None = None
+    local: LocalPlan | None = None
+    signature: str | None = None
+    local_error: BaseException | None = None
+    clones: dict = field(default_factory=dict)  # overlap mode: snapshots of tensors no optimizer guards
+
+
+class _StageFailure(Exception):
+    """A pipeline stage's failure text, reported as it is."""
 
 
 class Engine:
@@ -140,63 +246,102 @@ class Engine:
     Args:
         process_group: the ranks taking part (default: the world). Its backend is not used.
         timeout_s: deadline of each internal collective.
+        options: how saves run (:class:`~unickpt.pipeline.SaveOptions`); see :meth:`configure`.
     """
 
-    def __init__(self, process_group: Any = None, timeout_s: float = 1800.0):
+    def __init__(self, process_group: Any = None, timeout_s: float = 1800.0, options: SaveOptions | None = None):
         self.comm = Comm(process_group, timeout_s)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        self._pools = [StagingPool(), StagingPool()]
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unickpt-save")
+        self.options = (options or SaveOptions()).validated()
+        self._pools = [StagingPool(0), StagingPool(1)]
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unickpt-commit")
         self._pending: list[SaveHandle] = []
-        self._in_flight: set[str] = set()  # paths of saves not yet finished
-        self._plan_cache: OrderedDict[tuple, tuple[list[LocalPlan], GlobalPlan]] = OrderedDict()
+        self._in_flight: dict[str, int] = {}  # paths of saves not yet finished (how many)
+        self._plan_cache: OrderedDict[tuple, SavePlan] = OrderedDict()
         self._lock = threading.Lock()
+        self._seq = 0
+        self._hooks: list[tuple[SaveJob, list]] = []  # optimizer step pre-hooks of overlap snapshots
+        p2p = None
+        if self.world_size > 1:
+            import torch.distributed as dist
+            from datetime import timedelta
+
+            group = dist.new_group(self.comm.ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
+                                   use_local_synchronization=True)
+            p2p = P2P(group, self.comm.ranks)
+        self._p2p = p2p
+        self._pipeline = SavePipeline(p2p, self.rank)
         self.run_id = uuid.uuid4().hex
+
+    def configure(self, **options: Any) -> SaveOptions:
+        """Change how later saves run (fields of :class:`~unickpt.pipeline.SaveOptions`), e.g.
+        ``configure(pool_bytes=2 << 30, snapshot="overlap")``. Options that shape the plan
+        (``flat_ranges``, ``segment_bytes``, ``upload_to``, ``snapshot``) must be the same on every
+        rank (a save raises ValueError otherwise). Raises ValueError for unknown or bad values."""
+        unknown = sorted(set(options) - {f.name for f in fields(SaveOptions)})
+        if unknown:
+            raise ValueError(f"unknown save option(s) {unknown}; see unickpt.pipeline.SaveOptions")
+        self.options = replace(self.options, **options).validated()
+        return self.options
 
     # -- save -------------------------------------------------------------------------------------
     def save(self, path: str, state: dict, *, async_save: bool = False, storage_options: dict | None = None,
              step: int | None = None, framework: str | None = None, extra: dict | None = None,
              on_commit: Callable[[], None] | None = None) -> SaveHandle:
+        """Save ``state`` to ``path`` (see :func:`unickpt.save`). The caller's part: flatten the state,
+        snapshot its plain and per-rank values, then hand the save to the stager thread (planning,
+        staging) and wait for it to release the caller (see :mod:`unickpt.pipeline` for the snapshot
+        modes). Planning errors are raised here in ``sync`` snapshot mode, on the handle in ``overlap``
+        mode."""
         t0 = time.perf_counter()
-        stats = SaveStats(path=str(path), step=step)
+        opts = self.options
+        stats = SaveStats(path=str(path), step=step, snapshot=opts.snapshot, writer=opts.writer,
+                          flat_ranges=opts.flat_ranges)
         storage = Storage(path, storage_options)
         path = str(path)
-        local_error: BaseException | None = None
-        signature = None
+        self._remove_finished_hooks()
+        seq, self._seq = self._seq, self._seq + 1
+        job = SaveJob(seq, path, storage, None, self.rank, opts, stats, storage_options=storage_options, t0=t0)
+        commit = _Commit(job, step, framework, extra or {}, on_commit, t0=t0)
+        optims: list = []
+        must_wait = opts.snapshot == "sync"
         try:
             flat = flatten(state, for_load=False)
             for leaf in flat.tensors.values():
                 check_leaf_fits(leaf)
-            local = make_local_plan(flat, self.rank)
-            signature = local.signature()
+            if opts.snapshot == "overlap":
+                job.guarded, optims, must_wait = self._overlap_snapshot(flat, state, commit, opts)
+            local = make_local_plan(flat, self.rank, job.guarded)
+            commit.signature = local.signature()
             local.objects_digest = hashlib.blake2b(repr(sorted(flat.objects)).encode(), digest_size=8).hexdigest()
-            if self.rank == 0:
-                self._prepare_dir(storage, path)
-        except Exception as e:  # every rank must still join the gather, or the others hang
-            local_error, local = e, LocalPlan(rank=self.rank, error=_format_exc(e))
-            local.error_type, local.error_message = type(e).__name__, str(e)
-        plans, plan = self._global_plan(path, local, signature, local_error, stats)
-        stats.plan_s = time.perf_counter() - t0
-
-        job = _SaveJob(path, storage, plan, plans, stats, step, framework, extra or {}, on_commit, t0=t0)
-        try:
-            job.pool, stats.pool_wait_s = self._acquire_pool()
-            t_stage = time.perf_counter()
-            mine = plan.writes_for(self.rank)
-            layout = job.pool.stage([_local_part(flat.tensors[c.fqn], c.spec) for c in mine])
-            job.staged = list(zip(mine, layout))
-            stats.bytes_staged = sum(c.nbytes for c in mine)
+            commit.local = local
+            commit.flat = flat
             if flat.per_rank:
                 encoded = {fqn: codec.encode(pr.state_dict()) for fqn, pr in flat.per_rank.items()}
-                job.per_rank_blob = json.dumps(encoded, separators=(",", ":")).encode()
+                commit.per_rank_blob = json.dumps(encoded, separators=(",", ":")).encode()
             if self.rank == 0:
-                job.skeleton = flat.skeleton
-            stats.stage_s = time.perf_counter() - t_stage
-        except Exception as e:
-            job.error = e
+                commit.skeleton = flat.skeleton
+            on_cuda = {t.device for t in (leaf.local for leaf in flat.tensors.values()) if t.is_cuda}
+            if on_cuda:
+                from .staging import CudaStager
+
+                job.cuda_ready = CudaStager.mark_ready(on_cuda)
+        except Exception as e:  # every rank must still join the plan exchange, or the others hang
+            commit.local_error = e
+            commit.local = LocalPlan(rank=self.rank, error=_format_exc(e))
+            commit.local.error_type, commit.local.error_message = type(e).__name__, str(e)
+            must_wait = True
         with self._lock:
-            self._in_flight.add(path)
-        handle = SaveHandle(self._executor.submit(self._drain, job), stats)
+            self._in_flight[path] = self._in_flight.get(path, 0) + 1
+        if optims:
+            self._guard(job, optims)
+        handle = SaveHandle(self._executor.submit(self._drain, commit), stats, job)
+        self._pipeline.submit(job, lambda j: self._plan_job(commit), lambda j: self._prepare_job(commit))
+        if must_wait:
+            job.released.wait()
+        if job.plan_error is not None and job.prepared.is_set() and must_wait:
+            handle.error_reported = True  # raised here, not again by the engine's wait()
+            raise job.plan_error
         with self._lock:
             self._pending = [h for h in self._pending if not (h.done() and h.error_reported)] + [handle]
         stats.stall_s = time.perf_counter() - t0
@@ -204,42 +349,156 @@ class Engine:
             handle.wait()
         return handle
 
-    def _global_plan(self, path: str, local: LocalPlan, signature: str | None, local_error: BaseException | None,
-                     stats: SaveStats) -> tuple[list[LocalPlan], GlobalPlan]:
-        """Agree on the global plan: one small gather of plan signatures; the full plans are gathered
-        only when this combination of signatures has not been planned before (plan cache).
+    def _overlap_snapshot(self, flat: FlatState, state: dict, commit: _Commit,
+                          opts: SaveOptions) -> tuple[frozenset, list, bool]:
+        """Overlap mode: (fqns staged after the caller returns, optimizers to guard, whether the caller
+        must wait for the rest to be staged). Tensors no optimizer owns are cloned when they are small
+        (at most :data:`OVERLAP_CLONE_BYTES`), so that the caller need not wait at all."""
+        guarded, optims = _guarded(state, flat)
+        loose = {fqn: leaf for fqn, leaf in flat.tensors.items() if fqn not in guarded and fqn not in flat.aliases}
+        loose_bytes = sum(leaf.local.numel() * leaf.local.element_size() for leaf in loose.values())
+        if loose_bytes > min(OVERLAP_CLONE_BYTES, opts.pool_cap(self.world_size) // 4):
+            return guarded, optims, True  # stage them before returning (the plan puts them first)
+        with torch.no_grad():
+            commit.clones = {fqn: leaf.local.clone() for fqn, leaf in loose.items()}
+        return frozenset(fqn for fqn in flat.tensors if fqn not in flat.aliases), optims, False
 
-        The cache is keyed by every rank's signature and filled and evicted identically on every
-        rank (same keys in the same order), so all ranks hit or miss together.
+    def _plan_job(self, commit: _Commit) -> None:
+        """Stager thread: rank 0 checks the target directory, then every rank agrees on the plan."""
+        job, local = commit.job, commit.local
+        t0 = time.perf_counter()
+        if self.rank == 0 and local is not None and local.error is None:
+            try:
+                self._prepare_dir(job.storage, job.path)
+                if job.options.upload_to is not None:
+                    self._prepare_remote(job.options, job.path)
+            except Exception as e:
+                commit.local_error = e
+                commit.local = local = LocalPlan(rank=self.rank, error=_format_exc(e))
+                local.error_type, local.error_message = type(e).__name__, str(e)
+        assert local is not None
+        plan = self._agree_plan(job.path, local, commit.signature, commit.local_error, job.stats, job.options)
+        job.plan = plan
+        job.stats.plan_s = time.perf_counter() - t0
+        job.stats.bytes_per_rank, job.stats.max_mean_bytes = list(plan.bytes_per_rank), plan.max_mean_bytes
+
+    def _prepare_job(self, commit: _Commit) -> None:
+        """Stager thread, once planned: the staging ring (waiting if both are draining), the leaves
+        this rank reads, the drain registration."""
+        job = commit.job
+        stats, plan, opts, flat = job.stats, job.plan, job.options, commit.flat
+        assert plan is not None and flat is not None
+        mine = job.mine
+        needed = {c.fqn for c in mine} | {s.fqn for s in plan.sends[self.rank]}
+        job.leaves = {fqn: commit.clones.get(fqn, flat.tensors[fqn].local) for fqn in needed}
+        pin = any(t.is_cuda for t in job.leaves.values()) and torch.cuda.is_available()
+        backend = self._pipeline.backend_for(opts, job.storage.is_local, busy=bool(self._pipeline._jobs))
+        pool, stats.pool_wait_s = self._acquire_pool()
+        job.pool = pool
+        try:
+            from .hashwrite import stream_layout
+
+            _, stream_len = stream_layout([n for _, n in plan.segments[self.rank]])
+            cap = opts.pool_cap(self.world_size)
+            pool.reserve(min(stream_len, cap), pin=pin, shared=backend.kind == "process", limit=cap)
+            pool.begin()
+            stats.pool_capacity, stats.pool_allocations, stats.pool_index = (pool.capacity_bytes, pool.allocations,
+                                                                             pool.index)
+            stats.streamed = stream_len > pool.capacity_bytes
+            if mine:
+                job.storage.makedirs(job.storage.join(job.path, "data"))
+            self._pipeline.start(job, backend)
+            commit.started = True
+        except BaseException:
+            pool.released.set()
+            job.pool = None
+            raise
+
+    def _guard(self, job: SaveJob, optims: list) -> None:
+        """Overlap snapshots: ``optimizer.step()`` waits until the job's snapshot is complete."""
+        def hook(*_: Any) -> None:
+            if not job.snapshot_done.is_set():
+                t0 = time.perf_counter()
+                job.snapshot_done.wait()
+                job.stats.stall_s += time.perf_counter() - t0  # the loop is blocked by the save here too
+        handles = [o.register_step_pre_hook(hook) for o in optims]
+        self._hooks.append((job, handles))
+
+    def _remove_finished_hooks(self) -> None:
+        """Caller's thread (never inside ``step``): drop pre-hooks whose snapshot is complete."""
+        keep = []
+        for job, handles in self._hooks:
+            if job.snapshot_done.is_set():
+                for h in handles:
+                    h.remove()
+            else:
+                keep.append((job, handles))
+        self._hooks = keep
+
+    def _agree_plan(self, path: str, local: LocalPlan, signature: str | None, local_error: BaseException | None,
+                    stats: SaveStats, opts: SaveOptions) -> SavePlan:
+        """Agree on the save plan: one fixed-size signature exchange; the full plans are gathered only
+        when this combination of signatures has not been planned before (plan cache).
+
+        The cache is keyed by every rank's signature and the plan-shaping options, and is filled and
+        evicted identically on every rank (same keys in the same order), so all ranks hit or miss
+        together. Raises CheckpointExistsError / SaveFailedError (a rank failed before planning),
+        ValueError (ranks configured different plan options), StateMismatchError.
         """
-        gathered = self.comm.all_gather((signature, local.error, local.error_type, local.error_message,
-                                         local.objects_digest), self.comm.plan_group)
-        failures = {r: g[1] for r, g in enumerate(gathered) if g[1]}
-        if failures:
-            kinds = {g[2] for g in gathered if g[1]}
+        opt_digest = _digest8(repr(opts.plan_key()))
+        mine = bytearray(_SIG_BYTES)
+        if local.error is None and signature is not None:
+            mine[1:17] = bytes.fromhex(signature)
+            mine[17:25] = bytes.fromhex(local.objects_digest or "00" * 8)
+            mine[25:33] = opt_digest
+        else:
+            mine[0] = 1
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            t = torch.frombuffer(mine, dtype=torch.uint8)
+            out = [torch.empty_like(t) for _ in range(self.world_size)]
+            dist.all_gather(out, t, group=self.comm.plan_group)
+            stats.collectives_plan += 1
+            rows = [bytes(o.tolist()) for o in out]
+        else:
+            rows = [bytes(mine)]
+        if any(r[0] for r in rows):
+            errors = [(local.error, local.error_type, local.error_message)]
+            if self.world_size > 1:
+                errors = self.comm.all_gather(errors[0], self.comm.plan_group)
+                stats.collectives_plan += 2
+            failures = {r: e[0] for r, e in enumerate(errors) if e[0]}
+            kinds = {e[1] for e in errors if e[0]}
             if kinds == {"CheckpointExistsError"}:  # the target is taken: say so with its own type
-                raise CheckpointExistsError(next(g[3] for g in gathered if g[1])) from local_error
+                raise CheckpointExistsError(next(e[2] for e in errors if e[0])) from local_error
             raise SaveFailedError(path, failures) from local_error
-        differ = [r for r, g in enumerate(gathered) if g[4] != gathered[0][4]]
+        if any(r[25:33] != rows[0][25:33] for r in rows):
+            raise ValueError(f"{path!r}: ranks configured different save options (flat_ranges, segment_bytes, "
+                             f"upload_to, snapshot must agree); this rank has {opts.plan_key()}")
+        differ = [r for r, row in enumerate(rows) if row[17:25] != rows[0][17:25]]
         if differ and self.rank == 0:
             log.warning("unickpt: %s: rank(s) %s have other plain (non-tensor) keys than rank 0; only rank 0's "
                         "plain values are saved (declare per-rank values with unickpt.PerRank)", path, differ)
-        key = tuple(g[0] for g in gathered)
+        key = (opts.plan_key(), tuple(r[1:17] for r in rows))
         cached = self._plan_cache.get(key)
         if cached is not None:
             self._plan_cache.move_to_end(key)
             stats.plan_cache_hit = True
             return cached
-        plans = self.comm.all_gather(local, self.comm.plan_group)
-        plan = make_global_plan(plans)
-        self._plan_cache[key] = (plans, plan)
+        plans = [local]
+        if self.world_size > 1:
+            plans = self.comm.all_gather(local, self.comm.plan_group)
+            stats.collectives_plan += 2
+        plan = make_save_plan(plans, flat_ranges=opts.flat_ranges, segment_bytes=opts.segment_bytes)
+        self._plan_cache[key] = plan
         while len(self._plan_cache) > PLAN_CACHE_SIZE:
             self._plan_cache.popitem(last=False)
-        return plans, plan
+        return plan
 
     def _prepare_dir(self, storage: Storage, path: str) -> None:
         """Group rank 0: refuse a committed, in-flight or foreign target; clear a crashed save's leftovers."""
-        if self.in_flight(path):
+        if self.in_flight(path, others=1):  # this save counts itself
             raise CheckpointExistsError(f"{path!r}: a save to this path is still in flight; wait for it first")
         if storage.exists(storage.join(path, METADATA_FILE)):
             raise CheckpointExistsError(
@@ -256,10 +515,25 @@ class Engine:
             storage.rm(path)
         storage.makedirs(storage.join(path, "data"))
 
-    def in_flight(self, path: str) -> bool:
-        """True while a save to ``path`` started by this process has not finished (any thread)."""
+    def _prepare_remote(self, opts: SaveOptions, path: str) -> None:
+        """Group rank 0, with ``upload_to``: the same rules for the remote copy's directory."""
+        remote = Storage(opts.upload_to, opts.upload_options)  # type: ignore[arg-type]
+        rpath = remote.join(opts.upload_to, os.path.basename(path.rstrip("/")))  # type: ignore[arg-type]
+        if remote.exists(remote.join(rpath, METADATA_FILE)):
+            raise CheckpointExistsError(f"{rpath!r} (the upload target of {path!r}) already holds a committed "
+                                        "checkpoint; committed checkpoints are never overwritten")
+        if remote.exists(rpath):
+            if not is_incomplete_checkpoint(remote, rpath):
+                raise CheckpointExistsError(f"{rpath!r} exists and is not a unickpt checkpoint directory; "
+                                            "refusing to delete it")
+            remote.rm(rpath)
+        remote.makedirs(remote.join(rpath, "data"))
+
+    def in_flight(self, path: str, others: int = 0) -> bool:
+        """True while a save to ``path`` started by this process has not finished (any thread);
+        ``others``: how many in-flight saves to ignore (the caller's own)."""
         with self._lock:
-            return str(path) in self._in_flight
+            return self._in_flight.get(str(path), 0) > others
 
     def _acquire_pool(self) -> tuple[StagingPool, float]:
         t0 = time.perf_counter()
@@ -272,31 +546,51 @@ class Engine:
             # both pools are draining: wait for either (the older one finishes first)
             self._pools[0].released.wait(0.05) or self._pools[1].released.wait(0.05)
 
-    def _drain(self, job: _SaveJob) -> None:
-        """Background thread: write, gather results, commit. Every rank reaches both collectives."""
+    # -- background: drain, then commit -------------------------------------------------------------
+    def _drain(self, commit: _Commit) -> None:
+        """Commit thread: wait for the drain, gather results, commit. Every rank reaches the collectives."""
+        job = commit.job
         try:
-            self._write_and_commit(job)
+            self._write_and_commit(commit)
         finally:
             with self._lock:
-                self._in_flight.discard(job.path)
+                left = self._in_flight.get(job.path, 1) - 1
+                if left > 0:
+                    self._in_flight[job.path] = left
+                else:
+                    self._in_flight.pop(job.path, None)
 
-    def _write_and_commit(self, job: _SaveJob) -> None:
+    def _write_and_commit(self, commit: _Commit) -> None:
+        job = commit.job
         stats, storage = job.stats, job.storage
+        job.prepared.wait()
+        if job.plan_error is not None:  # every rank failed the plan exchange alike: nothing to gather
+            raise job.plan_error
+        t_drain = time.perf_counter()
+        if commit.started:
+            self._pipeline.wait_drained(job)
+        if job.pool is not None:
+            job.pool.released.set()
+        for k in ("checksum_s", "merge_wait_s", "write_s", "upload_s"):
+            setattr(stats, k, job.timings.get(k, 0.0))
+        if job.pool is not None:
+            stats.ring_wait_s = job.pool.wait_s
         result: dict[str, Any]
-        t_write = time.perf_counter()
         try:
             if job.error is not None:
-                raise job.error
-            result = {"ok": True, "records": self._write_files(job)}
+                raise _StageFailure(job.error)
+            if any(d is None for d in job.digests):
+                raise RuntimeError("checksum stage: some chunks were written without a checksum")
+            per_rank_file = self._write_per_rank(commit)
+            result = {"ok": True, "digests": job.digests, "per_rank_file": per_rank_file}
         except BaseException as e:
-            result = {"ok": False, "error": _format_exc(e)}
-        finally:
-            if job.pool is not None:
-                job.pool.released.set()
-        stats.write_s = time.perf_counter() - t_write
+            result = {"ok": False, "error": str(e) if isinstance(e, _StageFailure) else _format_exc(e)}
+        log.debug("unickpt: %s drained in %.3f s", job.path, time.perf_counter() - t_drain)
         t_commit = time.perf_counter()
         try:
             results = self.comm.all_gather(result, self.comm.background_group)
+            if self.world_size > 1:
+                stats.collectives_commit += 2
         except Exception as e:
             raise SaveFailedError(job.path, {self.rank: f"lost contact with the other ranks before the commit "
                                                         f"(a rank died, or the process group was destroyed "
@@ -308,14 +602,19 @@ class Engine:
         status = None
         if self.rank == 0:
             try:
-                meta = self._build_metadata(job, [res["records"] for res in results])
-                storage.write_atomic(storage.join(job.path, METADATA_FILE), meta.to_json().encode())
+                meta = self._build_metadata(commit, results)
+                data = meta.to_json().encode()
+                if job.options.upload_to is not None:
+                    remote = Storage(job.options.upload_to, job.options.upload_options)
+                    rdir = self._pipeline.remote_path(job)
+                    remote.write_atomic(remote.join(rdir, METADATA_FILE), data)
+                storage.write_atomic(storage.join(job.path, METADATA_FILE), data)
             except BaseException as e:
-                status = _format_exc(e)
+                status = "commit stage: " + _format_exc(e)
             else:
-                self._after_commit(job, t_commit)
+                self._after_commit(commit, t_commit)
         try:
-            status = self.comm.broadcast(status, self.comm.background_group)
+            status = self._broadcast_status(status, stats)
         except Exception as e:
             if self.rank != 0:  # rank 0 knows its own outcome; the others cannot tell
                 raise SaveFailedError(job.path, {self.rank: f"lost contact with rank 0 during the commit; whether "
@@ -327,61 +626,71 @@ class Engine:
         if self.rank != 0:
             stats.committed = True
             stats.commit_s = time.perf_counter() - t_commit
-            stats.total_s = time.perf_counter() - job.t0
+            stats.total_s = time.perf_counter() - commit.t0
 
-    def _after_commit(self, job: _SaveJob, t_commit: float) -> None:
+    def _broadcast_status(self, status: str | None, stats: SaveStats) -> str | None:
+        """Group rank 0's commit outcome on every rank: one 1-byte broadcast, plus the error text when
+        the commit failed."""
+        if self.world_size == 1:
+            return status
+        import torch.distributed as dist
+
+        flag = torch.tensor([0 if status is None else 1], dtype=torch.uint8)
+        dist.broadcast(flag, src=self.comm.ranks[0], group=self.comm.background_group)
+        stats.collectives_commit += 1
+        if int(flag.item()) == 0:
+            return None
+        stats.collectives_commit += 2
+        return self.comm.broadcast(status, self.comm.background_group)
+
+    def _write_per_rank(self, commit: _Commit) -> str | None:
+        job = commit.job
+        if commit.per_rank_blob is None:
+            return None
+        rel = f"objects/rank_{self.rank}.json"
+        storage = job.storage
+        storage.makedirs(storage.join(job.path, "objects"))
+        job.stats.bytes_written += storage.write_file(storage.join(job.path, rel), [commit.per_rank_blob])
+        if job.options.upload_to is not None:
+            try:
+                job.stats.bytes_uploaded += self._pipeline.upload_file(job, rel)
+            except BaseException as e:
+                raise RuntimeError("upload stage: " + _format_exc(e)) from e
+        return rel
+
+    def _after_commit(self, commit: _Commit, t_commit: float) -> None:
         """Group rank 0, right after ``metadata.json`` landed: stats, ``on_commit``, the log line."""
-        stats = job.stats
+        stats = commit.job.stats
         stats.committed = True
         stats.commit_s = time.perf_counter() - t_commit
-        stats.total_s = time.perf_counter() - job.t0
-        if job.on_commit is not None:
+        stats.total_s = time.perf_counter() - commit.t0
+        if commit.on_commit is not None:
             try:
-                job.on_commit()
+                commit.on_commit()
             except Exception:
-                log.exception("unickpt: post-commit step (latest pointer / retention) failed for %s", job.path)
-        log.info("unickpt: committed %s: %.1f MB by rank 0, stall %.3f s, total %.3f s", job.path,
+                log.exception("unickpt: post-commit step (latest pointer / retention) failed for %s", commit.job.path)
+        log.info("unickpt: committed %s: %.1f MB by rank 0, stall %.3f s, total %.3f s", commit.job.path,
                  stats.bytes_written / 1e6, stats.stall_s, stats.total_s)
 
-    def _write_files(self, job: _SaveJob) -> dict:
-        storage, pool = job.storage, job.pool
-        records = []
-        if job.staged:
-            rel = f"data/{self.rank}_0.bin"
-            offset = 0
-            buffers = []
-            for chunk, staged in job.staged:
-                mv = memoryview(pool.view(staged).numpy())
-                digest, blocks, block_bytes = chunk_checksums(mv)
-                records.append((chunk.fqn, chunk.spec, rel, offset, staged.nbytes, digest, blocks, block_bytes))
-                buffers.append(mv)
-                offset += staged.nbytes
-            job.stats.bytes_written += storage.write_file(storage.join(job.path, rel), buffers)
-        per_rank_file = None
-        if job.per_rank_blob is not None:
-            per_rank_file = f"objects/rank_{self.rank}.json"
-            storage.makedirs(storage.join(job.path, "objects"))
-            job.stats.bytes_written += storage.write_file(storage.join(job.path, per_rank_file), [job.per_rank_blob])
-        return {"chunks": records, "per_rank_file": per_rank_file}
-
-    def _build_metadata(self, job: _SaveJob, records: list[dict]) -> CheckpointMetadata:
-        chunks: dict[str, list[ChunkMeta]] = {fqn: [] for fqn in job.plan.tensors}
-        for rank_records in records:
-            for fqn, spec, rel, offset, nbytes, digest, blocks, block_bytes in rank_records["chunks"]:
-                chunks[fqn].append(ChunkMeta(spec, rel, offset, nbytes, digest, blocks, block_bytes))
+    def _build_metadata(self, commit: _Commit, results: list[dict]) -> CheckpointMetadata:
+        job = commit.job
+        plan = job.plan
+        chunks: dict[str, list[ChunkMeta]] = {fqn: [] for fqn in plan.tensors}
+        for r, writes in enumerate(plan.writes):
+            for c, (digest, blocks, block_bytes) in zip(writes, results[r]["digests"]):
+                chunks[c.fqn].append(ChunkMeta(c.spec, c.file, c.offset, c.nbytes, digest, tuple(blocks), block_bytes))
         tensors = {
             fqn: TensorMeta(dtype, shape, tuple(sorted(chunks[fqn], key=lambda c: _spec_key(c.spec))))
-            for fqn, (dtype, shape) in job.plan.tensors.items()
+            for fqn, (dtype, shape) in plan.tensors.items()
         }
-        per_rank_fqns = sorted({f for p in job.plans for f in p.per_rank_fqns})
         per_rank = {}
-        if per_rank_fqns:
-            per_rank = {"world_size": self.world_size, "fqns": per_rank_fqns,
-                        "files": [r["per_rank_file"] for r in records]}
+        if plan.per_rank_fqns:
+            per_rank = {"world_size": self.world_size, "fqns": list(plan.per_rank_fqns),
+                        "files": [r["per_rank_file"] for r in results]}
         return CheckpointMetadata(
-            tensors=tensors, state_tree=job.skeleton, layout={"world_size": self.world_size},
-            aliases=job.plan.aliases, per_rank=per_rank, step=job.step, framework=job.framework,
-            run_id=self.run_id, extra=job.extra,
+            tensors=tensors, state_tree=commit.skeleton, layout={"world_size": self.world_size},
+            aliases=plan.aliases, per_rank=per_rank, step=commit.step, framework=commit.framework,
+            run_id=self.run_id, extra=commit.extra,
         )
 
     # -- load -------------------------------------------------------------------------------------
@@ -409,6 +718,7 @@ class Engine:
                 if not handle.error_reported:
                     handle.error_reported = True
                     first = first or e
+        self._remove_finished_hooks()
         if first is not None:
             raise first
 
@@ -417,6 +727,9 @@ class Engine:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
+            self._pipeline.close()
+            for pool in self._pools:
+                pool.close()
             self.comm.close()
 
 
