@@ -53,7 +53,8 @@ from .collectives import Comm
 from .errors import CheckpointExistsError, SaveFailedError
 from .loading import load_checkpoint
 from .merging import P2P
-from .metadata import METADATA_FILE, ChunkMeta, CheckpointMetadata, TensorMeta, is_incomplete_checkpoint
+from .metadata import (METADATA_FILE, WRITER_FILE, ChunkMeta, CheckpointMetadata, TensorMeta, is_incomplete_checkpoint,
+                       writer_alive, writer_record)
 from .pipeline import SaveJob, SaveOptions, SavePipeline
 from .planner import LocalPlan, SavePlan, _spec_key, make_local_plan, make_save_plan
 from .reader import LoadStats
@@ -511,9 +512,15 @@ class Engine:
                     f"{path!r} exists and is not a unickpt checkpoint directory (it holds other files); "
                     "refusing to delete it: choose another path"
                 )
+            if writer_alive(storage, path):
+                raise CheckpointExistsError(
+                    f"{path!r}: another process is saving into it (see {WRITER_FILE}); wait for it or "
+                    "choose another step"
+                )
             log.warning("unickpt: removing incomplete checkpoint directory %s (no %s)", path, METADATA_FILE)
             storage.rm(path)
         storage.makedirs(storage.join(path, "data"))
+        storage.write_small(storage.join(path, WRITER_FILE), writer_record())
 
     def _prepare_remote(self, opts: SaveOptions, path: str) -> None:
         """Group rank 0, with ``upload_to``: the same rules for the remote copy's directory."""

@@ -162,6 +162,14 @@ class Storage:
             raise OSError(errno.EIO, f"{path}: uploaded {total} bytes, the store holds {size}")
         return total
 
+    def write_small(self, path: str, data: bytes) -> None:
+        """Write a small advisory file (no fsync, not atomic): markers such as the writer record."""
+        if self.is_local:
+            with open(self.strip(path), "wb") as f:
+                f.write(data)
+        else:
+            self._remote("write", path, self.fs.pipe_file, path, data)
+
     def write_atomic(self, path: str, data: bytes) -> None:
         """Make ``path`` hold exactly ``data`` or leave it as it was (the commit primitive)."""
         if not self.is_local:

@@ -113,3 +113,41 @@ def test_read_only_destination_fails_clearly(small_fs):
     root = small_fs("ro", "size=1m,ro") / "run"
     with pytest.raises(unickpt.SaveFailedError, match="Read-only file system"):
         unickpt.Checkpointer(root).save(1, {"w": torch.ones(4)})
+
+
+TWO_WRITERS = """
+import sys, time, torch, unickpt
+from unickpt.storage import Storage
+root, step, hold = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+write_file = Storage.write_file
+def slow(self, path, buffers):
+    time.sleep(hold)  # a long write: the directory stays incomplete meanwhile
+    return write_file(self, path, buffers)
+Storage.write_file = slow
+ckpt = unickpt.Checkpointer(root)
+try:
+    ckpt.save(step, {"w": torch.full((1000,), float(step))}).wait()
+    print("committed", step)
+except unickpt.CheckpointExistsError as e:
+    print("refused", step, e)
+"""
+
+
+def test_two_checkpointers_on_one_root(tmp_path):
+    """Two processes save into one root: a slow save of step 1 is never deleted by the other's
+    retention (its writer is alive), and a second writer of the same step is refused."""
+    root = tmp_path / "run"
+    slow = subprocess.Popen([sys.executable, "-c", TWO_WRITERS, str(root), "1", "6"], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (root / "step_1" / ".unickpt-writer").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    same = subprocess.run([sys.executable, "-c", TWO_WRITERS, str(root), "1", "0"], env=ENV, capture_output=True,
+                          text=True, timeout=120)
+    assert "refused 1" in same.stdout and "another process is saving" in same.stdout, same.stdout + same.stderr
+    other = subprocess.run([sys.executable, "-c", TWO_WRITERS, str(root), "2", "0"], env=ENV, capture_output=True,
+                           text=True, timeout=120)
+    assert "committed 2" in other.stdout, other.stderr[-2000:]
+    out, err = slow.communicate(timeout=120)
+    assert "committed 1" in out, err[-2000:]
+    assert [s for s, ok in unickpt.list_checkpoints(str(root)) if ok] == [1, 2]
