@@ -45,7 +45,7 @@ import torch
 from .hashwrite import GRANULE_BYTES, HashWriter, JobSpec, WriterProcess, stream_layout
 from .merging import P2P
 from .metadata import CHECKSUM_BLOCK_BYTES, block_size
-from .planner import LocalFill, RecvFill, SavePlan, SendOp, WriteChunk
+from .planner import RecvFill, SavePlan, SendOp, WriteChunk
 from .resharding import Box
 from .staging import CudaStager, PoolAborted, StagingPool, byte_view, copy_bytes
 from .storage import Storage
