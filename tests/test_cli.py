@@ -29,7 +29,8 @@ def test_inspect_and_ls(tmp_path, capsys):
     assert main(["ls", str(root), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["step"], r["committed"], r["latest"]) for r in rows] == [(5, True, True), (9, False, False)]
-    assert rows[0]["bytes"] == os.path.getsize(root / "step_5" / "metadata.json") + 4006
+    files = [root / "step_5" / "metadata.json", root / "step_5" / ".unickpt-writer", root / "step_5" / "data" / "0_0.bin"]
+    assert os.path.getsize(files[2]) == 4006 and rows[0]["bytes"] == sum(os.path.getsize(f) for f in files)
 
 
 def test_inspect_incomplete_fails_clearly(tmp_path, capsys):
