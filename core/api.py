@@ -11,7 +11,8 @@ __all__ = ["save", "load"]
 
 
 def save(path: str | os.PathLike, state: dict, *, async_save: bool = False, process_group: Any = None,
-         storage_options: dict | None = None, step: int | None = None, framework: str | None = None) -> SaveHandle:
+         storage_options: dict | None = None, step: int | None = None, framework: str | None = None,
+         allow_pickle: bool = False) -> SaveHandle:
     """Save ``state`` to the directory ``path``; collective over ``process_group`` (default: world).
 
     Args:
@@ -26,6 +27,9 @@ def save(path: str | os.PathLike, state: dict, *, async_save: bool = False, proc
         process_group: the ranks taking part; every one of them must call ``save``.
         storage_options: passed to the fsspec filesystem.
         step, framework: recorded in ``metadata.json``.
+        allow_pickle: store plain values of classes that have no JSON or tensor form as pickles
+            (loading them then needs ``allow_pickle=True`` too). Off: such a value raises
+            UnsafeObjectError naming its key.
 
     Returns:
         a :class:`SaveHandle`; ``wait()`` blocks until committed and raises the save's error.
@@ -36,7 +40,8 @@ def save(path: str | os.PathLike, state: dict, *, async_save: bool = False, proc
         StateMismatchError: ranks disagree on a tensor's dtype or global shape.
     """
     return get_engine(process_group).save(os.fspath(path), state, async_save=async_save,
-                                          storage_options=storage_options, step=step, framework=framework)
+                                          storage_options=storage_options, step=step, framework=framework,
+                                          allow_pickle=allow_pickle)
 
 
 def load(path: str | os.PathLike, state: dict, *, strict: bool = True, process_group: Any = None,

@@ -41,16 +41,18 @@ class Checkpointer:
         process_group: the ranks taking part (default: world); every method but
             :meth:`latest_step` is collective.
         storage_options: passed to fsspec.
+        allow_pickle: let saves store, and loads restore, plain values that only pickle can express.
     """
 
     def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None, async_save: bool = True,
-                 process_group: Any = None, storage_options: dict | None = None):
+                 process_group: Any = None, storage_options: dict | None = None, allow_pickle: bool = False):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         self.root = os.fspath(root)
         self.keep_last = keep_last
         self.async_save = async_save
         self.storage_options = storage_options
+        self.allow_pickle = allow_pickle
         self._storage = Storage(self.root, storage_options)
         self._engine = get_engine(process_group)
         self._closed = False
@@ -71,6 +73,7 @@ class Checkpointer:
         return self._engine.save(
             self.path_for(step), state, async_save=self.async_save if async_save is None else async_save,
             storage_options=self.storage_options, step=int(step), on_commit=lambda s=int(step): self._after_commit(s),
+            allow_pickle=self.allow_pickle,
         )
 
     def _after_commit(self, step: int) -> None:
@@ -100,7 +103,8 @@ class Checkpointer:
         committed = [s for s, ok in list_checkpoints(self.root, self.storage_options) if ok]
         return max(committed) if committed else None
 
-    def load(self, state: dict, step: int | None = None, *, strict: bool = True, allow_pickle: bool = False) -> int | None:
+    def load(self, state: dict, step: int | None = None, *, strict: bool = True,
+             allow_pickle: bool | None = None) -> int | None:
         """Load ``step`` (default: the latest committed, as seen by group rank 0) into ``state``.
 
         Returns the step loaded, or None (state untouched) when there is no committed checkpoint.
@@ -112,7 +116,7 @@ class Checkpointer:
             if step is None:
                 return None
         self._engine.load(self.path_for(step), state, strict=strict, storage_options=self.storage_options,
-                          allow_pickle=allow_pickle)
+                          allow_pickle=self.allow_pickle if allow_pickle is None else allow_pickle)
         return int(step)
 
     def wait(self) -> None:

@@ -44,8 +44,19 @@ def _b64(data: bytes | memoryview) -> str:
     return base64.b64encode(bytes(data)).decode("ascii")
 
 
-def encode(value: Any) -> Any:
-    """Turn ``value`` into JSON-serialisable data (see module docstring). Never fails for picklable values."""
+def encode(value: Any, *, allow_pickle: bool = True, key: str = "") -> Any:
+    """Turn ``value`` into JSON-serialisable data (see module docstring).
+
+    A value of a class JSON cannot express is pickled only with ``allow_pickle``; otherwise
+    :class:`~unickpt.errors.UnsafeObjectError` names ``key`` and the class.
+    """
+    return _encode(value, allow_pickle, key)
+
+
+def _encode(value: Any, allow_pickle: bool, key: str) -> Any:
+    def encode(v: Any) -> Any:
+        return _encode(v, allow_pickle, key)
+
     if isinstance(value, np.generic) and value.dtype.kind in "biufc":  # before float: np.float64 is a float
         return {"__npscalar__": {"dtype": value.dtype.str, "data": _b64(value.tobytes())}}
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -81,7 +92,13 @@ def encode(value: Any) -> Any:
         a = np.ascontiguousarray(value)
         return {"__ndarray__": {"dtype": a.dtype.str, "shape": list(a.shape), "data": _b64(a.tobytes())}}
     cls = type(value)
-    return {"__pickle__": {"type": f"{cls.__module__}.{cls.__qualname__}", "data": _b64(pickle.dumps(value))}}
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if not allow_pickle:
+        raise UnsafeObjectError(
+            f"{key!r}: a value of class {name} has no JSON or tensor form; storing it needs pickle, which "
+            "is opt-in: pass allow_pickle=True to save (and to load), or store its state_dict() instead"
+        )
+    return {"__pickle__": {"type": name, "data": _b64(pickle.dumps(value))}}
 
 
 def decode(data: Any, *, allow_pickle: bool = False, key: str = "") -> Any:

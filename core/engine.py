@@ -50,7 +50,7 @@ import torch
 
 from . import codec
 from .collectives import Comm
-from .errors import CheckpointExistsError, SaveFailedError
+from .errors import CheckpointExistsError, SaveFailedError, UnsafeObjectError
 from .loading import load_checkpoint
 from .merging import P2P
 from .metadata import (METADATA_FILE, WRITER_FILE, ChunkMeta, CheckpointMetadata, TensorMeta, is_incomplete_checkpoint,
@@ -288,7 +288,7 @@ class Engine:
     # -- save -------------------------------------------------------------------------------------
     def save(self, path: str, state: dict, *, async_save: bool = False, storage_options: dict | None = None,
              step: int | None = None, framework: str | None = None, extra: dict | None = None,
-             on_commit: Callable[[], None] | None = None) -> SaveHandle:
+             on_commit: Callable[[], None] | None = None, allow_pickle: bool = False) -> SaveHandle:
         """Save ``state`` to ``path`` (see :func:`unickpt.save`). The caller's part: flatten the state,
         snapshot its plain and per-rank values, then hand the save to the stager thread (planning,
         staging) and wait for it to release the caller (see :mod:`unickpt.pipeline` for the snapshot
@@ -307,7 +307,7 @@ class Engine:
         optims: list = []
         must_wait = opts.snapshot == "sync"
         try:
-            flat = flatten(state, for_load=False)
+            flat = flatten(state, for_load=False, allow_pickle=allow_pickle)
             for leaf in flat.tensors.values():
                 check_leaf_fits(leaf)
             if opts.snapshot == "overlap":
@@ -318,7 +318,8 @@ class Engine:
             commit.local = local
             commit.flat = flat
             if flat.per_rank:
-                encoded = {fqn: codec.encode(pr.state_dict()) for fqn, pr in flat.per_rank.items()}
+                encoded = {fqn: codec.encode(pr.state_dict(), allow_pickle=allow_pickle, key=fqn)
+                           for fqn, pr in flat.per_rank.items()}
                 commit.per_rank_blob = json.dumps(encoded, separators=(",", ":")).encode()
             if self.rank == 0:
                 commit.skeleton = flat.skeleton
@@ -337,14 +338,17 @@ class Engine:
         if optims:
             self._guard(job, optims)
         handle = SaveHandle(self._executor.submit(self._drain, commit), stats, job)
+        with self._lock:
+            self._pending = [h for h in self._pending if not (h.done() and h.error_reported)] + [handle]
+        # the hand-off comes last: the stager thread wakes up and competes for the GIL
         self._pipeline.submit(job, lambda j: self._plan_job(commit), lambda j: self._prepare_job(commit))
         if must_wait:
             job.released.wait()
-        if job.plan_error is not None and job.prepared.is_set() and must_wait:
-            handle.error_reported = True  # raised here, not again by the engine's wait()
-            raise job.plan_error
-        with self._lock:
-            self._pending = [h for h in self._pending if not (h.done() and h.error_reported)] + [handle]
+            if job.plan_error is not None:
+                handle.error_reported = True  # raised here, not again by the engine's wait()
+                with self._lock:
+                    self._pending = [h for h in self._pending if h is not handle]
+                raise job.plan_error
         stats.stall_s = time.perf_counter() - t0
         if not async_save:
             handle.wait()
@@ -471,6 +475,8 @@ class Engine:
                 stats.collectives_plan += 2
             failures = {r: e[0] for r, e in enumerate(errors) if e[0]}
             kinds = {e[1] for e in errors if e[0]}
+            if kinds == {"UnsafeObjectError"}:  # every failing rank needs pickle: say so with its own type
+                raise UnsafeObjectError(next(e[2] for e in errors if e[0])) from local_error
             if kinds == {"CheckpointExistsError"}:  # the target is taken: say so with its own type
                 raise CheckpointExistsError(next(e[2] for e in errors if e[0])) from local_error
             raise SaveFailedError(path, failures) from local_error

@@ -150,12 +150,13 @@ def _encode_key_dict(d: dict, items: list[tuple[Any, Any]]) -> Any:
     return {"__dict__": [[codec.encode(k), v] for k, v in items]}
 
 
-def flatten(state: dict, *, for_load: bool) -> FlatState:
+def flatten(state: dict, *, for_load: bool, allow_pickle: bool = False) -> FlatState:
     """Reduce ``state`` to a :class:`FlatState`.
 
     Modules, optimizers and stateful objects are expanded with their state dicts; for a load the
     returned ``appliers`` push the loaded values back into them (call them after the tensors have
-    been filled in place). Raises ValueError on an fqn collision or an unsupported leaf.
+    been filled in place). For a save, plain values that only pickle can store raise
+    UnsafeObjectError unless ``allow_pickle``. Raises ValueError on an fqn collision or an unsupported leaf.
     """
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -222,7 +223,7 @@ def flatten(state: dict, *, for_load: bool) -> FlatState:
             raise TypeError("state must be a dict")
         claim(fqn, path)
         out.objects[fqn] = (container, key)
-        return codec.encode(x)
+        return codec.encode(x, allow_pickle=allow_pickle or for_load, key=fqn)
 
     out.skeleton = walk(state, (), None, None)
     return out

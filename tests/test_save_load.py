@@ -185,7 +185,7 @@ def test_conj_and_neg_views_are_not_aliases(tmp_path):
 
 
 def test_failed_load_leaves_state_untouched(tmp_path):
-    unickpt.save(tmp_path / "c", {"a": torch.ones(3), "b": torch.ones(3), "cfg": Config(1)})
+    unickpt.save(tmp_path / "c", {"a": torch.ones(3), "b": torch.ones(3), "cfg": Config(1)}, allow_pickle=True)
     state = {"a": torch.zeros(3), "b": torch.zeros(4), "cfg": None}
     with pytest.raises(unickpt.StateMismatchError, match="'b'"):
         unickpt.load(tmp_path / "c", state)
@@ -270,7 +270,10 @@ class Config:
 
 
 def test_arbitrary_objects_need_allow_pickle(tmp_path):
-    unickpt.save(tmp_path / "c", {"cfg": Config(0.1)})
+    with pytest.raises(unickpt.UnsafeObjectError, match=r"'cfg': a value of class .*Config .*allow_pickle=True"):
+        unickpt.save(tmp_path / "c", {"cfg": Config(0.1)})
+    assert not (tmp_path / "c" / "metadata.json").exists()
+    unickpt.save(tmp_path / "c", {"cfg": Config(0.1)}, allow_pickle=True)
     out = {"cfg": None}
     with pytest.raises(unickpt.UnsafeObjectError, match=r"'cfg'.*Config.*allow_pickle=True"):
         unickpt.load(tmp_path / "c", out)
