@@ -14,6 +14,7 @@ __all__ = [
     "IntegrityError",
     "PerRankReshardError",
     "UnsafeObjectError",
+    "RankFailuresError",
     "SaveFailedError",
     "LoadFailedError",
 ]
@@ -51,33 +52,33 @@ class UnsafeObjectError(UnickptError, ValueError):
     """A stored object needs arbitrary unpickling, which is off unless ``allow_pickle=True``."""
 
 
-class SaveFailedError(UnickptError, RuntimeError):
-    """A save failed on one or more ranks; nothing was committed.
+class RankFailuresError(UnickptError, RuntimeError):
+    """Base of the errors that report several ranks' failures of one collective operation.
 
     Attributes:
+        path: the checkpoint path.
         failures: ``{rank: "ExceptionType: message\\n<traceback>"}`` for every rank that failed.
     """
 
+    headline = "{op} of {path!r} failed on rank(s) {ranks}"
+    op = "operation"
+
     def __init__(self, path: str, failures: dict[int, str]):
         self.path = path
         self.failures = dict(failures)
-        lines = [f"save to {path!r} failed on rank(s) {sorted(failures)}; nothing was committed"]
+        lines = [self.headline.format(op=self.op, path=path, ranks=sorted(failures))]
         for rank in sorted(failures):
             lines.append(f"--- rank {rank} ---\n{failures[rank].rstrip()}")
         super().__init__("\n".join(lines))
 
 
-class LoadFailedError(UnickptError, RuntimeError):
-    """A load failed on one or more ranks with different errors.
+class SaveFailedError(RankFailuresError):
+    """A save failed on one or more ranks; nothing was committed (see :class:`RankFailuresError`)."""
 
-    Attributes:
-        failures: ``{rank: "<formatted traceback>"}`` for every rank that failed.
-    """
+    headline = "save to {path!r} failed on rank(s) {ranks}; nothing was committed"
 
-    def __init__(self, path: str, failures: dict[int, str]):
-        self.path = path
-        self.failures = dict(failures)
-        lines = [f"load of {path!r} failed on rank(s) {sorted(failures)}"]
-        for rank in sorted(failures):
-            lines.append(f"--- rank {rank} ---\n{failures[rank].rstrip()}")
-        super().__init__("\n".join(lines))
+
+class LoadFailedError(RankFailuresError):
+    """A load failed on one or more ranks with different errors (see :class:`RankFailuresError`)."""
+
+    op = "load"
