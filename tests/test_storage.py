@@ -1,6 +1,9 @@
 """Storage through fsspec (the in-memory filesystem stands in for an object store here)."""
 from __future__ import annotations
 
+import os
+import shutil
+
 import fsspec
 import fsspec.implementations.memory
 import pytest
@@ -87,3 +90,23 @@ def test_permanent_and_persistent_remote_errors_fail_clearly(monkeypatch):
         st.read_bytes("flakymem://bucket2/x")  # retried until the time budget is spent
     assert st.retries >= 2
     _FlakyMemory.fail_every = 0
+
+
+def test_two_tier_save_uploads_and_load_prefers_the_local_copy(tmp_path):
+    remote = "memory://unickpt-two-tier/run"
+    fs = fsspec.filesystem("memory")
+    ckpt = unickpt.Checkpointer(remote, local_root=tmp_path / "local", keep_last=2)
+    for step in range(3):
+        ckpt.save(step, {"w": torch.full((1000,), float(step)), "step": step})
+    ckpt.wait()
+    for listing in (sorted(p.rsplit("/", 1)[-1] for p in fs.ls("/unickpt-two-tier/run", detail=False)),
+                    sorted(os.listdir(tmp_path / "local"))):
+        assert listing == ["latest", "step_1", "step_2"]
+    assert fs.cat_file("/unickpt-two-tier/run/latest") == b"step_2"
+    assert fs.exists("/unickpt-two-tier/run/step_2/metadata.json")
+    out = {"w": torch.zeros(1000), "step": -1}
+    fs.rm("/unickpt-two-tier/run/step_2/data", recursive=True)  # the local copy is preferred
+    assert ckpt.load(out) == 2 and out["w"][0] == 2 and out["step"] == 2
+    shutil.rmtree(tmp_path / "local" / "step_1")  # no local copy: the remote one is used
+    assert ckpt.load(out, step=1) == 1 and out["w"][0] == 1
+    fs.rm("/unickpt-two-tier", recursive=True)
