@@ -28,17 +28,18 @@ Scenarios and systems (a record per (system, scenario, world size)):
   parameters again (for background staging: until staging completes, as there is nothing to
   overlap it with here); ``durable_s`` = until the checkpoint is committed and fsynced.
 * ``train``: a training loop (``--steps-between`` steps between saves, ``--saves`` saves), with
-  ``none`` (no saves: the baseline step time), ``unickpt-async``, ``unickpt-async-overlap``
+  ``none`` (no saves: the baseline step time), ``unickpt-async`` (defaults), ``unickpt-async-overlap``
   (``snapshot="overlap"``: the optimizer-owned tensors are staged while the next forward/backward
-  runs; ``optimizer.step()`` waits for them), ``unickpt-async-direct`` (``O_DIRECT`` writes),
-  ``unickpt-async-process`` (writer process instead of threads), ``unickpt-async-nice`` (drain
-  threads at nice 10) and ``dcp-async-cached`` (the loop
-  waits for DCP's background staging just before its next optimizer step). Each system first makes
-  one untimed warm-up save. ``stall_s``: per save, the time the loop was blocked (the call + any
-  wait before the optimizer step), median; ``step_time_s``: median step time (stall excluded) of
-  the steps during which a save was in flight; ``interference`` = that / the ``none`` step time - 1.
-  Once a save is durable, the loop's previous checkpoint is deleted (``keep_last=1`` retention).
-  ``--quick`` runs only ``none``, ``unickpt-async``, ``unickpt-async-overlap`` and ``dcp-async-cached``.
+  runs; ``optimizer.step()`` waits for them), ``unickpt-async-direct`` (``direct_io=True``),
+  ``unickpt-async-direct-process`` (and the writer process instead of threads),
+  ``unickpt-async-overlap-direct`` (both), and ``dcp-async-cached`` (the loop waits for DCP's
+  background staging just before its next optimizer step); ``unickpt-async-nice`` (drain threads at
+  nice 10) only when named in ``--systems``. Each system first makes one untimed warm-up save.
+  ``stall_s``: per save, the time the loop was blocked (the call + any wait before the optimizer
+  step), median; ``step_time_s``: median step time (stall excluded) of the steps during which a
+  save was in flight; ``interference`` = that / the ``none`` step time - 1. Once a save is durable,
+  the loop's previous checkpoint is deleted (``keep_last=1`` retention). ``--quick`` runs only
+  ``none``, ``unickpt-async``, ``unickpt-async-overlap-direct`` and ``dcp-async-cached``.
 * ``replicated``: every tensor replicated on every rank (data parallel), sizes skewed from 64 MB
   down to bytes: ``bytes_per_rank`` and ``max_mean_bytes`` of what each rank wrote (unickpt: the
   plan's; DCP: its per-rank files).
@@ -78,13 +79,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "results", "save_load.json")
 SAVE_SYSTEMS = ["unickpt-async", "unickpt-sync", "unickpt-async-direct", "torch.save", "dcp", "dcp-async",
                 "dcp-async-cached"]
-TRAIN_SYSTEMS = ["none", "unickpt-async", "unickpt-async-overlap", "unickpt-async-direct", "unickpt-async-process",
-                 "unickpt-async-nice", "dcp-async-cached"]
-FULL_TRAIN_SYSTEMS = TRAIN_SYSTEMS
-QUICK_TRAIN_SYSTEMS = ["none", "unickpt-async", "unickpt-async-overlap", "dcp-async-cached"]
+TRAIN_SYSTEMS = ["none", "unickpt-async", "unickpt-async-overlap", "unickpt-async-direct",
+                 "unickpt-async-direct-process", "unickpt-async-overlap-direct", "unickpt-async-nice",
+                 "dcp-async-cached"]
+FULL_TRAIN_SYSTEMS = [s for s in TRAIN_SYSTEMS if s != "unickpt-async-nice"]  # nice: run it with --systems
+QUICK_TRAIN_SYSTEMS = ["none", "unickpt-async", "unickpt-async-overlap-direct", "dcp-async-cached"]
 UNICKPT_VARIANTS = {  # engine options per unickpt system (everything else: the defaults)
     "unickpt-sync": {}, "unickpt-async": {}, "unickpt-async-direct": {"direct_io": True},
     "unickpt-async-process": {"writer": "process"}, "unickpt-async-overlap": {"snapshot": "overlap"},
+    "unickpt-async-direct-process": {"direct_io": True, "writer": "process"},
+    "unickpt-async-overlap-direct": {"snapshot": "overlap", "direct_io": True},
     "unickpt-async-nice": {"background_nice": 10},
     "unickpt-store": {"flat_ranges": "store"}, "unickpt-merge": {"flat_ranges": "merge"},
 }
@@ -809,7 +813,7 @@ def targets(records: list[dict], disk_gbps: float) -> list[dict]:
             t["save_stall_unickpt_s"], t["save_stall_dcp_best_s"] = ua, dc
         if ts and ua:
             t["save_stall_torch_save_over_unickpt"] = round(ts / ua, 1)
-        tr = {s: get(s, "train", "stall_s") for s in ("unickpt-async", "unickpt-async-overlap", "dcp-async-cached")}
+        tr = {s: get(s, "train", "stall_s") for s in TRAIN_SYSTEMS if s != "none"}
         cands = {k: v for k, v in tr.items() if k.startswith("unickpt") and v is not None}
         if cands:  # the training loop's view (overlapping the snapshot with forward/backward is allowed)
             best = min(cands, key=cands.get)
@@ -835,10 +839,12 @@ def targets(records: list[dict], disk_gbps: float) -> list[dict]:
             udd = get("unickpt-async-direct", "save", "durable_s")
             if udd:
                 t["durable_dcp_over_unickpt_direct"] = round(dd / udd, 2)
-        inter = {s: get(s, "train", "interference") for s in TRAIN_SYSTEMS if s != "none"}
+        inter = {s: get(s, "train", "interference") for s in TRAIN_SYSTEMS if s != "none"
+                 and get(s, "train", "interference") is not None}
         t["interference"] = inter
-        if inter.get("unickpt-async") is not None:
-            t["interference_below_10pct"] = inter["unickpt-async"] < 0.10
+        for sysname in ("unickpt-async", "unickpt-async-overlap-direct"):
+            if inter.get(sysname) is not None:
+                t[f"interference_below_10pct[{sysname}]"] = inter[sysname] < 0.10
         mm = get("unickpt-async", "replicated", "max_mean_bytes")
         if mm is not None:
             t["replicated_max_mean_bytes"] = mm

@@ -185,7 +185,7 @@ class JobSpec:
     segments: list[tuple[str, int, int]]
     chunks: list[tuple[int, int]]
     direct: bool = False
-    write_block: int = 8 << 20
+    write_block: int = 16 << 20
     storage_options: dict | None = None
 
 

@@ -1,30 +1,34 @@
 """The save pipeline on one rank: stage -> serialize/checksum -> write -> (upload), overlapping per piece.
 
-Stages and threads (per engine; jobs are served in the order their saves were called):
+Threads (per engine; saves are served in the order they were called):
 
-1. **stage** (:meth:`SavePipeline.stage`): copies this rank's chunks into a staging ring
-   (:class:`~unickpt.staging.StagingPool`), piece by piece in file (stream) order, issues merge
-   sends and receives (:mod:`unickpt.merging`) and hands each piece to the drain. It runs in the
-   caller's thread (``snapshot="sync"``: the stall), or partly on the *stager* thread
-   (``snapshot="overlap"``, below). When the state is larger than the ring, the stager waits for
-   the writer to free space (the state streams through bounded memory).
+1. **stager** (:meth:`SavePipeline.submit`): runs the save's planning (the engine's, with its one
+   collective), then copies this rank's chunks into a staging ring
+   (:class:`~unickpt.staging.StagingPool`) piece by piece (at most ``piece_bytes``) in file
+   (stream) order, issues the merge sends and receives (:mod:`unickpt.merging`) and hands each piece
+   to the drain. When the state is larger than the ring, it waits for the writer to free space:
+   the state streams through bounded memory.
 2. **serialize/checksum** and 3. **write**: :class:`~unickpt.hashwrite.HashWriter`'s hasher and
    writer threads, in this process (``writer="thread"``) or in a worker process that maps the ring
    as shared memory (``writer="process"``). The hasher runs each piece's deferred wait first (merge
    receive, CUDA copy event). The drain starts with the first staged piece (``overlap_drain``), or
    else when the snapshot is complete or the stager has to wait for ring space.
-4. **upload** (optional, ``upload_to``): the *uploader* thread copies each data file, once it is
-   written and fsynced, to the remote directory, while the next file is written.
-5. **commit**: the engine's commit thread (not here) waits for :attr:`SaveJob.drained`.
+4. **uploader** (optional, ``upload_to``): copies each data file, once it is written and fsynced,
+   to the remote directory, while the next file is written.
+5. the engine's commit thread (not here) waits for :meth:`SavePipeline.wait_drained`.
 
-Snapshot modes. ``sync``: ``save`` returns after the last byte is staged: nothing the caller does
-afterwards can reach the checkpoint. ``overlap``: ``save`` returns after staging everything that the
-training loop may change before its next optimizer step (buffers, plain tensors: anything not
-owned by an optimizer in the state); the tensors an optimizer owns (its parameters and its state)
-are staged by the stager thread while the loop runs its next forward/backward, and a step
-pre-hook on each such optimizer blocks ``optimizer.step()`` until their snapshot is complete
-(DCP's async staging has the loop do the same wait by hand). Mutating optimizer-owned tensors in
-place by other means before ``handle.wait_snapshot()`` returns is not allowed in this mode.
+Snapshot modes, i.e. when ``save`` returns:
+
+* ``sync`` (default): after the last byte is staged. Nothing the caller does afterwards can reach
+  the checkpoint.
+* ``overlap``: at once. The tensors an optimizer in the state owns (its parameters and its state:
+  only ``optimizer.step()`` changes them) are staged while the training loop runs its next
+  forward/backward, and a step pre-hook on each such optimizer blocks ``optimizer.step()`` until
+  the snapshot is complete (DCP's async staging has the loop make the same wait by hand). All other
+  tensors (buffers, plain tensors) are cloned at the call when they are small (64 MiB in all), or
+  else staged before the call returns; plain values and per-rank objects are always captured at
+  the call. Changing optimizer-owned tensors in place by other means than ``optimizer.step()``
+  before ``handle.wait_snapshot()`` returns is not allowed in this mode.
 
 Failures: the first failure of any stage (with the stage's name) fails the job; the stager stops,
 still completes the merge transfers it owes its peers (so they never hang), and the commit
@@ -109,7 +113,7 @@ class SaveOptions:
     upload_to: str | None = None
     upload_options: dict | None = None
     background_nice: int = 0
-    write_block: int = 8 << 20
+    write_block: int = 16 << 20
 
     def validated(self) -> "SaveOptions":
         """A copy with defaults filled in; raises ValueError for a bad value."""

@@ -243,3 +243,15 @@ def commit_and_load_remote(root: str) -> dict:
         outs.append(torch.equal(o, w))
     return {"ok": outs, "uploaded": h.stats.bytes_uploaded, "written": h.stats.bytes_written,
             "files": sorted(os.listdir(os.path.join(remote, "ck", "data")))}
+
+
+def mismatched_options(root: str) -> str:
+    """Rank 1 merges flat ranges, rank 0 stores them: every rank must refuse the save."""
+    _configure(flat_ranges="merge" if dist.get_rank() == 1 else "store")
+    try:
+        unickpt.save(os.path.join(root, "c"), {"w": torch.ones(4)})
+    except ValueError as e:
+        return f"ValueError: {e}"
+    finally:
+        _configure()
+    return "no error"

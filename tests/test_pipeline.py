@@ -237,9 +237,13 @@ def test_state_bigger_than_pool_streams_through_it(engine, tmp_path, writer, dir
     assert sizes == [333 * 777 * 2 + 10 + 2_400_000, 8_000_004]  # cut at 5 MB, chunks packed, no padding
 
 
-def test_overlap_snapshot_blocks_optimizer_step_until_staged(engine, tmp_path, monkeypatch):
+@pytest.mark.parametrize("clone_limit", [None, 0], ids=["buffers-cloned", "buffers-staged-first"])
+def test_overlap_snapshot_blocks_optimizer_step_until_staged(engine, tmp_path, monkeypatch, clone_limit):
+    import unickpt.engine as en
     import unickpt.pipeline as pl
 
+    if clone_limit is not None:  # tensors no optimizer owns are then staged before the call returns
+        monkeypatch.setattr(en, "OVERLAP_CLONE_BYTES", clone_limit)
     engine.configure(snapshot="overlap")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64))
@@ -278,6 +282,27 @@ def test_overlap_snapshot_blocks_optimizer_step_until_staged(engine, tmp_path, m
     assert torch.equal(fresh_optim.state[fresh[0].weight]["exp_avg"], want_exp_avg)
     unickpt.save(tmp_path / "d", {"t": torch.ones(3)})  # a later save drops the finished hooks
     assert not optim._optimizer_step_pre_hooks
+
+
+def test_overlap_snapshot_reports_planning_errors_on_the_handle(engine, tmp_path):
+    engine.configure(snapshot="overlap")
+    unickpt.save(tmp_path / "c", {"w": torch.ones(3)})
+    h = unickpt.save(tmp_path / "c", {"w": torch.ones(3)}, async_save=True)  # returns before planning
+    with pytest.raises(unickpt.CheckpointExistsError, match="already holds a committed checkpoint"):
+        h.wait()
+    engine.configure(snapshot="sync")
+    with pytest.raises(unickpt.CheckpointExistsError):  # in sync mode the call itself raises
+        unickpt.save(tmp_path / "c", {"w": torch.ones(3)}, async_save=True)
+    engine.wait()  # nothing left to raise
+
+
+def test_bad_options_are_rejected(engine):
+    with pytest.raises(ValueError, match=r"unknown save option\(s\) \['pool_size'\]"):
+        engine.configure(pool_size=1)
+    with pytest.raises(ValueError, match="pool_bytes .* at least 2 \\* piece_bytes"):
+        engine.configure(pool_bytes=1 << 20, piece_bytes=1 << 20)
+    with pytest.raises(ValueError, match="flat_ranges"):
+        engine.configure(flat_ranges="gather")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -355,6 +380,12 @@ def test_failure_in_any_stage_surfaces_and_keeps_last_checkpoint(pool, tmp_path,
         assert not r["step2_committed"] and r["loaded_step"] == 1 and r["ok1"]  # the last checkpoint is intact
         assert r["ok3"]  # and the next save works
     assert results[0]["latest"] == "step_1"
+
+
+def test_ranks_must_agree_on_plan_options(pool, tmp_path):
+    results = pool(2).run(w.mismatched_options, str(tmp_path))
+    for r in results:
+        assert r.startswith("ValueError") and "ranks configured different save options" in r
 
 
 def test_two_tier_upload_commits_both_copies(pool, tmp_path):
