@@ -6,12 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	# torch first: on this kind of machine torch==2.13.0 is a local CPU build; a bare `torch`
 	# requirement would otherwise pull a multi-GB CUDA build.
 	$(VPY) -m pip install -q "torch==2.13.0" || $(VPY) -m pip install -q "torch>=2.4"
-	$(VPY) -m pip install -q -e ".[test]"
+	$(VPY) -m pip install -q -c constraints.txt -e ".[test,frameworks]"
 	touch $(STAMP)
 
 install: $(STAMP)

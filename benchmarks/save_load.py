@@ -37,7 +37,9 @@ Scenarios and systems (a record per (system, scenario, world size)):
   nice 10) only when named in ``--systems``. Each system first makes one untimed warm-up save.
   ``stall_s``: per save, the time the loop was blocked (the call + any wait before the optimizer
   step), median; ``step_time_s``: median step time (stall excluded) of the steps during which a
-  save was in flight; ``interference`` = that / the ``none`` step time - 1. Once a save is durable,
+  save was in flight; ``interference`` = that / the median of the same loop's steps without a save
+  in flight - 1 (drift of a shared machine cancels out; ``interference_vs_none`` uses the ``none``
+  run's step time instead). Once a save is durable,
   the loop's previous checkpoint is deleted (``keep_last=1`` retention). ``--quick`` runs only
   ``none``, ``unickpt-async``, ``unickpt-async-overlap-direct`` and ``dcp-async-cached``.
 * ``replicated``: every tensor replicated on every rank (data parallel), sizes skewed from 64 MB
@@ -500,16 +502,20 @@ def scenario_train(cfg: dict) -> list[dict] | None:
                                step_samples_s=[round(r[0], 4) for r in body]))
             continue
         busy_steps = [r[0] for r in body if r[2]]
+        idle_steps = [r[0] for r in body if not r[2]]
         stalls = [r[1] for r in step_rows if r[1] is not None]
         durables = [max(d) for d in zip(*[p[1] for p in per])]
-        step_time = _med(busy_steps)
+        step_time, idle = _med(busy_steps), _med(idle_steps)
+        # the baseline: this loop's own steps without a save in flight (measured in the same minute,
+        # so a shared machine's drift cancels out); the `none` run's steps when there are too few
+        ref = idle if len(idle_steps) >= 2 else baseline
         out.append(_record(
             s, "train", b.ws, b.state_bytes, stall_s=_med(stalls), durable_s=_med(durables), step_time_s=step_time,
-            baseline_step_time_s=baseline,
-            interference=round(step_time / baseline - 1, 4) if step_time and baseline else None,
+            baseline_step_time_s=ref, idle_step_time_s=idle, none_step_time_s=baseline,
+            interference=round(step_time / ref - 1, 4) if step_time and ref else None,
+            interference_vs_none=round(step_time / baseline - 1, 4) if step_time and baseline else None,
             stall_samples_s=[round(x, 4) for x in stalls], durable_samples_s=[round(x, 4) for x in durables],
-            busy_steps=len(busy_steps), idle_step_time_s=_med([r[0] for r in body if not r[2]]),
-            step_samples_s=[round(r[0], 4) for r in body]))
+            busy_steps=len(busy_steps), idle_steps=len(idle_steps), step_samples_s=[round(r[0], 4) for r in body]))
     return out if b.rank == 0 else None
 
 
@@ -793,7 +799,7 @@ def _row(r: dict) -> str:
     for k in ("interference", "max_mean_bytes", "durable_vs_disk", "load_s", "reshard_load_s", "verified"):
         if r.get(k) is not None:
             extra.append(f"{k}={f(r[k])}")
-    return (f"{r['system']:<24}{r['scenario']:<12}{r['world_size']:>3}{r['bytes'] / 1e9:>8.2f}"
+    return (f"{r['system']:<30}{r['scenario']:<12}{r['world_size']:>3}{r['bytes'] / 1e9:>8.2f}"
             f"{f(r['stall_s']):>10}{f(r['durable_s']):>10}{f(r['step_time_s']):>10}  " + " ".join(extra))
 
 
@@ -918,7 +924,7 @@ def _torch_version() -> str:
 
 
 def print_table(records: list[dict]) -> None:
-    print(f"\n{'system':<24}{'scenario':<12}{'ws':>3}{'GB':>8}{'stall_s':>10}{'durable_s':>10}{'step_s':>10}  other")
+    print(f"\n{'system':<30}{'scenario':<12}{'ws':>3}{'GB':>8}{'stall_s':>10}{'durable_s':>10}{'step_s':>10}  other")
     for r in records:
         if r["system"] in ("machine", "summary"):
             continue

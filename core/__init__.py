@@ -6,40 +6,69 @@ Public surface::
     unickpt.load(path, state, strict=True, process_group=None, storage_options=None)
     unickpt.Checkpointer(root, keep_last=None, async_save=True, ...)
     unickpt.Shard, unickpt.PerRank, unickpt.RNGState
+
+The names are imported lazily (PEP 562 module ``__getattr__``): ``import unickpt`` itself does not import
+torch, so the startup hook (:mod:`unickpt._startup`, run from a ``.pth`` file in every interpreter) and the
+``unickpt`` command stay cheap.
 """
-from .api import load, save
-from .checkpointer import Checkpointer, list_checkpoints
-from .engine import SaveHandle, SaveStats
-from .errors import (CheckpointExistsError, CheckpointNotFoundError, FormatVersionError, IntegrityError,
-                     LoadFailedError, PerRankReshardError, SaveFailedError, StateMismatchError, UnickptError, UnsafeObjectError)
-from .reader import LoadStats
-from .metadata import FORMAT_VERSION, CheckpointMetadata
-from .rng import RNGState
-from .types import PerRank, Shard
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "save",
-    "load",
-    "Checkpointer",
-    "list_checkpoints",
-    "SaveHandle",
-    "SaveStats",
-    "LoadStats",
-    "Shard",
-    "PerRank",
-    "RNGState",
-    "CheckpointMetadata",
-    "FORMAT_VERSION",
-    "UnickptError",
-    "CheckpointNotFoundError",
-    "CheckpointExistsError",
-    "FormatVersionError",
-    "StateMismatchError",
-    "IntegrityError",
-    "PerRankReshardError",
-    "UnsafeObjectError",
-    "SaveFailedError",
-    "LoadFailedError",
-]
+# public name -> submodule that defines it
+_EXPORTS = {
+    "save": "api",
+    "load": "api",
+    "Checkpointer": "checkpointer",
+    "list_checkpoints": "checkpointer",
+    "SaveHandle": "engine",
+    "SaveStats": "engine",
+    "LoadStats": "reader",
+    "Shard": "types",
+    "PerRank": "types",
+    "RNGState": "rng",
+    "CheckpointMetadata": "metadata",
+    "FORMAT_VERSION": "metadata",
+    "UnickptError": "errors",
+    "CheckpointNotFoundError": "errors",
+    "CheckpointExistsError": "errors",
+    "FormatVersionError": "errors",
+    "StateMismatchError": "errors",
+    "IntegrityError": "errors",
+    "PerRankReshardError": "errors",
+    "UnsafeObjectError": "errors",
+    "SaveFailedError": "errors",
+    "LoadFailedError": "errors",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Import the submodule that defines ``name`` on first use (PEP 562); AttributeError if unknown."""
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'unickpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
+    from .api import load, save
+    from .checkpointer import Checkpointer, list_checkpoints
+    from .engine import SaveHandle, SaveStats
+    from .errors import (CheckpointExistsError, CheckpointNotFoundError, FormatVersionError, IntegrityError,
+                         LoadFailedError, PerRankReshardError, SaveFailedError, StateMismatchError, UnickptError,
+                         UnsafeObjectError)
+    from .metadata import FORMAT_VERSION, CheckpointMetadata
+    from .reader import LoadStats
+    from .rng import RNGState
+    from .types import PerRank, Shard
