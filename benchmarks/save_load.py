@@ -28,11 +28,11 @@ Scenarios and systems (a record per (system, scenario, world size)):
   parameters again (for background staging: until staging completes, as there is nothing to
   overlap it with here); ``durable_s`` = until the checkpoint is committed and fsynced.
 * ``train``: a training loop (``--steps-between`` steps between saves, ``--saves`` saves), with
-  ``none`` (no saves: the baseline step time), ``unickpt-async`` (defaults), ``unickpt-async-overlap``
-  (``snapshot="overlap"``: the optimizer-owned tensors are staged while the next forward/backward
-  runs; ``optimizer.step()`` waits for them), ``unickpt-async-direct`` (``direct_io=True``),
-  ``unickpt-async-direct-process`` (and the writer process instead of threads),
-  ``unickpt-async-overlap-direct`` (both), and ``dcp-async-cached`` (the loop waits for DCP's
+  ``none`` (no saves: the baseline step time), ``unickpt-async`` (defaults: ``O_DIRECT`` data files),
+  ``unickpt-async-overlap`` (``snapshot="overlap"``: the optimizer-owned tensors are staged while the
+  next forward/backward runs; ``optimizer.step()`` waits for them), ``unickpt-async-buffered``
+  (``direct_io=False``: page-cache writes), ``unickpt-async-process`` (the writer process instead of
+  threads), ``unickpt-async-overlap-buffered`` (both non-defaults), and ``dcp-async-cached`` (the loop waits for DCP's
   background staging just before its next optimizer step); ``unickpt-async-nice`` (drain threads at
   nice 10) only when named in ``--systems``. Each system first makes one untimed warm-up save.
   ``stall_s``: per save, the time the loop was blocked (the call + any wait before the optimizer
@@ -41,7 +41,7 @@ Scenarios and systems (a record per (system, scenario, world size)):
   in flight - 1 (drift of a shared machine cancels out; ``interference_vs_none`` uses the ``none``
   run's step time instead). Once a save is durable,
   the loop's previous checkpoint is deleted (``keep_last=1`` retention). ``--quick`` runs only
-  ``none``, ``unickpt-async``, ``unickpt-async-overlap-direct`` and ``dcp-async-cached``.
+  ``none``, ``unickpt-async``, ``unickpt-async-overlap`` and ``dcp-async-cached``.
 * ``replicated``: every tensor replicated on every rank (data parallel), sizes skewed from 64 MB
   down to bytes: ``bytes_per_rank`` and ``max_mean_bytes`` of what each rank wrote (unickpt: the
   plan's; DCP: its per-rank files).
@@ -79,18 +79,17 @@ from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "results", "save_load.json")
-SAVE_SYSTEMS = ["unickpt-async", "unickpt-sync", "unickpt-async-direct", "torch.save", "dcp", "dcp-async",
+SAVE_SYSTEMS = ["unickpt-async", "unickpt-sync", "unickpt-async-buffered", "torch.save", "dcp", "dcp-async",
                 "dcp-async-cached"]
-TRAIN_SYSTEMS = ["none", "unickpt-async", "unickpt-async-overlap", "unickpt-async-direct",
-                 "unickpt-async-direct-process", "unickpt-async-overlap-direct", "unickpt-async-nice",
+TRAIN_SYSTEMS = ["none", "unickpt-async", "unickpt-async-overlap", "unickpt-async-buffered",
+                 "unickpt-async-process", "unickpt-async-overlap-buffered", "unickpt-async-nice",
                  "dcp-async-cached"]
 FULL_TRAIN_SYSTEMS = [s for s in TRAIN_SYSTEMS if s != "unickpt-async-nice"]  # nice: run it with --systems
-QUICK_TRAIN_SYSTEMS = ["none", "unickpt-async", "unickpt-async-overlap-direct", "dcp-async-cached"]
+QUICK_TRAIN_SYSTEMS = ["none", "unickpt-async", "unickpt-async-overlap", "dcp-async-cached"]
 UNICKPT_VARIANTS = {  # engine options per unickpt system (everything else: the defaults)
-    "unickpt-sync": {}, "unickpt-async": {}, "unickpt-async-direct": {"direct_io": True},
+    "unickpt-sync": {}, "unickpt-async": {}, "unickpt-async-buffered": {"direct_io": False},
     "unickpt-async-process": {"writer": "process"}, "unickpt-async-overlap": {"snapshot": "overlap"},
-    "unickpt-async-direct-process": {"direct_io": True, "writer": "process"},
-    "unickpt-async-overlap-direct": {"snapshot": "overlap", "direct_io": True},
+    "unickpt-async-overlap-buffered": {"snapshot": "overlap", "direct_io": False},
     "unickpt-async-nice": {"background_nice": 10},
     "unickpt-store": {"flat_ranges": "store"}, "unickpt-merge": {"flat_ranges": "merge"},
 }
@@ -836,19 +835,19 @@ def targets(records: list[dict], disk_gbps: float) -> list[dict]:
             ideal = nbytes / (disk_gbps * 1e9)
             t["durable_over_disk_ideal"] = round(ud / ideal, 3)
             t["durable_within_1_25x_disk"] = ud / ideal <= 1.25
-            udd = get("unickpt-async-direct", "save", "durable_s")
-            if udd:
-                t["durable_direct_over_disk_ideal"] = round(udd / ideal, 3)
+            udb = get("unickpt-async-buffered", "save", "durable_s")
+            if udb:
+                t["durable_buffered_over_disk_ideal"] = round(udb / ideal, 3)
         if ud and dd:
             t["durable_dcp_over_unickpt"] = round(dd / ud, 2)
             t["durable_2x_faster_than_dcp"] = dd / ud >= 2
-            udd = get("unickpt-async-direct", "save", "durable_s")
-            if udd:
-                t["durable_dcp_over_unickpt_direct"] = round(dd / udd, 2)
+            udb = get("unickpt-async-buffered", "save", "durable_s")
+            if udb:
+                t["durable_dcp_over_unickpt_buffered"] = round(dd / udb, 2)
         inter = {s: get(s, "train", "interference") for s in TRAIN_SYSTEMS if s != "none"
                  and get(s, "train", "interference") is not None}
         t["interference"] = inter
-        for sysname in ("unickpt-async", "unickpt-async-overlap-direct"):
+        for sysname in ("unickpt-async", "unickpt-async-overlap"):
             if inter.get(sysname) is not None:
                 t[f"interference_below_10pct[{sysname}]"] = inter[sysname] < 0.10
         mm = get("unickpt-async", "replicated", "max_mean_bytes")

@@ -16,8 +16,8 @@ up to one wrap. The stager fills stream ranges in increasing order and publishes
   up to what it wrote. Data files go through ``Storage.write_file`` fed by a generator (any fsspec
   backend; buffered local writes, whose writeback is started block by block, see
   :class:`_Writeback`), or, with ``direct=True`` on a local path and at least
-  :data:`DIRECT_MIN_BYTES`, through :class:`DirectFile` (``O_DIRECT``: no page-cache copy; falls
-  back when the file system refuses).
+  :data:`DIRECT_MIN_BYTES`, through ``Storage.write_file(direct=True)`` (``O_DIRECT``: no
+  page-cache copy; falls back when the file system refuses).
 
 The same class runs in the training process (``writer="thread"``) or in a worker process started
 by :class:`WriterProcess` (``writer="process"``), which maps the staging ring as shared memory
@@ -43,13 +43,17 @@ from typing import Any, Callable, Iterator
 
 import xxhash
 
-__all__ = ["ChunkHasher", "DirectFile", "HashWriter", "JobSpec", "WriterProcess", "GRANULE_BYTES",
+try:
+    from .storage import DIRECT_ALIGN
+except ImportError:  # loaded by file path in the writer process (no package, so that torch is not imported)
+    from unickpt_storage import DIRECT_ALIGN  # type: ignore[no-redef]  # registered by worker_main's bootstrap
+
+__all__ = ["ChunkHasher", "HashWriter", "JobSpec", "WriterProcess", "GRANULE_BYTES",
            "DIRECT_ALIGN", "DIRECT_MIN_BYTES", "stream_layout", "send_msg", "recv_msg"]
 
 GRANULE_BYTES = 1 << 20
 """Segment bases and merge transfers are cut at multiples of this many stream bytes, and ring
 capacities are multiples of it, so a transfer never straddles the ring's wrap."""
-DIRECT_ALIGN = 4096  # O_DIRECT offset / length / address alignment used (covers 512 and 4096 B sectors)
 DIRECT_MIN_BYTES = 1 << 20
 """Data files smaller than this are written buffered even with ``direct=True``: below it direct I/O
 saves no measurable copy time, and the buffered path through ``Storage`` serves small files."""
@@ -114,60 +118,6 @@ class ChunkHasher:
             self._blocks.append("xxh3_64:" + self._h.hexdigest())
         blocks = tuple(self._blocks)
         return _digest(",".join(blocks).encode()), blocks, self.block_bytes
-
-
-class DirectFile:
-    """A local file written sequentially with ``O_DIRECT`` (DMA from the caller's buffers, no copy
-    into the page cache), then truncated to its logical size and fsynced.
-
-    Buffers handed to :meth:`write` must start at a :data:`DIRECT_ALIGN`-aligned address, and
-    every write but the last must be a multiple of it (the staging ring guarantees both: segment
-    bases are granule-aligned and blocks are cut at aligned positions). Where the file system
-    refuses ``O_DIRECT`` (tmpfs, some FUSE mounts) the file is written buffered instead.
-    This is a local-disk fast path of the storage layer.
-    """
-
-    def __init__(self, path: str, logical_size: int):
-        self.path, self.size = path, logical_size
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        self.direct = False
-        if hasattr(os, "O_DIRECT"):
-            try:
-                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
-                self.direct = True
-            except OSError:
-                self.fd = os.open(path, flags, 0o644)
-        else:  # pragma: no cover - not Linux
-            self.fd = os.open(path, flags, 0o644)
-        self.pos = 0
-
-    def write(self, views: list[memoryview], padded_to: int) -> None:
-        """Write ``views`` back to back at the current position; with direct I/O the total is
-        rounded up to ``padded_to`` bytes (the caller passes views that cover the padding)."""
-        for v in views:
-            v = v.cast("B")
-            while v.nbytes:
-                try:
-                    n = os.pwrite(self.fd, v, self.pos)
-                except OSError as e:
-                    if not self.direct or e.errno != 22:  # EINVAL: the device wants another alignment
-                        raise
-                    import fcntl
-
-                    fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-                    self.direct = False
-                    continue
-                self.pos += n
-                v = v[n:]
-
-    def close(self, ok: bool = True) -> None:
-        try:
-            if ok:
-                if self.pos != self.size:
-                    os.ftruncate(self.fd, self.size)
-                os.fsync(self.fd)
-        finally:
-            os.close(self.fd)
 
 
 @dataclass
@@ -401,18 +351,15 @@ class HashWriter:
     def _write_direct(self, state: _JobState, path: str, base: int, size: int) -> None:
         spec = state.spec
         ring = self._ring(spec.pool)
-        f = DirectFile(path, size)
-        ok = False
-        try:
+        end = base + size
+        padded_end = base + -(-size // DIRECT_ALIGN) * DIRECT_ALIGN  # the tail block, rounded up
+
+        def gen() -> Iterator[Any]:
             for start, stop in self._blocks(state, base, size, DIRECT_ALIGN):
-                padded = stop
-                if f.direct and stop == base + size:  # the tail block, rounded up (truncated on close)
-                    padded = base + -(-size // DIRECT_ALIGN) * DIRECT_ALIGN
-                f.write(_ring_views(ring, spec.capacity, start, padded), padded - start)
+                yield from _ring_views(ring, spec.capacity, start, padded_end if stop == end else stop)
                 self._freed(spec.job, stop)
-            ok = True
-        finally:
-            f.close(ok)
+
+        self._storage(path, spec.storage_options).write_file(path, gen(), direct=True, size=size)
         state.timings["bytes_written"] += size
 
 
@@ -541,6 +488,9 @@ class WriterProcess:
         here = os.path.dirname(os.path.abspath(__file__))
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         code = ("import importlib.util, sys\n"
+                "st = importlib.util.spec_from_file_location('unickpt_storage', sys.argv[3])\n"
+                "s = importlib.util.module_from_spec(st); sys.modules['unickpt_storage'] = s\n"
+                "st.loader.exec_module(s)\n"
                 "spec = importlib.util.spec_from_file_location('unickpt_hashwrite', sys.argv[1])\n"
                 "m = importlib.util.module_from_spec(spec); sys.modules['unickpt_hashwrite'] = m\n"
                 "spec.loader.exec_module(m); m.worker_main(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))\n")
@@ -619,9 +569,11 @@ def worker_main(fd: int, storage_path: str, nice: int) -> None:
             os.nice(nice)
         except OSError:  # pragma: no cover
             pass
-    spec = importlib.util.spec_from_file_location("unickpt_storage", storage_path)
-    storage_mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(storage_mod)  # type: ignore[union-attr]
+    storage_mod = sys.modules.get("unickpt_storage")
+    if storage_mod is None:
+        spec = importlib.util.spec_from_file_location("unickpt_storage", storage_path)
+        storage_mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(storage_mod)  # type: ignore[union-attr]
     sock = socket.socket(fileno=fd)
     lock = threading.Lock()
     rings: dict[int, tuple[mmap.mmap, memoryview]] = {}

@@ -101,7 +101,7 @@ def failing_write(path: str, fail_rank: int) -> str:
 
     original = Storage.write_file
 
-    def broken(self, p, buffers):
+    def broken(self, p, buffers, **kw):
         raise OSError(5, f"injected I/O error on rank {dist.get_rank()}")
 
     if dist.get_rank() == fail_rank:

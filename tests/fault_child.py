@@ -31,13 +31,13 @@ def die() -> None:
 def install(stage: str, armed: dict) -> None:
     write_file, write_atomic, rm = Storage.write_file, Storage.write_atomic, Storage.rm
 
-    def mid_write(self, path, buffers):
+    def mid_write(self, path, buffers, **kw):
         if armed["on"] and path.endswith(".bin"):
             bufs = list(buffers)
             fd = os.open(self.strip(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.write(fd, memoryview(bufs[0]).cast("B")[: max(1, memoryview(bufs[0]).nbytes // 2)])
             die()
-        return write_file(self, path, buffers)
+        return write_file(self, path, buffers, **kw)
 
     def commit(self, path, data):
         if armed["on"] and path.endswith("metadata.json") and stage == "before-commit":

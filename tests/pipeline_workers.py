@@ -171,8 +171,7 @@ def _inject(stage: str, fail: bool, root: str):
         elif stage == "checksum":
             patch(hw.ChunkHasher, "update", boom)
         elif stage in ("write", "write-direct"):
-            patch(Storage, "write_file", boom)
-            patch(hw.DirectFile, "write", boom)
+            patch(Storage, "write_file", boom)  # the direct path is Storage.write_file(direct=True) too
         elif stage == "upload":
             patch(pl.SavePipeline, "upload_file", boom)
         elif stage == "commit":

@@ -120,9 +120,9 @@ import sys, time, torch, unickpt
 from unickpt.storage import Storage
 root, step, hold = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 write_file = Storage.write_file
-def slow(self, path, buffers):
+def slow(self, path, buffers, **kw):
     time.sleep(hold)  # a long write: the directory stays incomplete meanwhile
-    return write_file(self, path, buffers)
+    return write_file(self, path, buffers, **kw)
 Storage.write_file = slow
 ckpt = unickpt.Checkpointer(root)
 try:

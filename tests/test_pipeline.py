@@ -190,10 +190,10 @@ def test_ping_pong_back_to_back_saves(engine, tmp_path, monkeypatch):
 
     original = Storage.write_file
 
-    def slow(self, path, buffers):  # a slow disk: each data file takes 0.4 s
+    def slow(self, path, buffers, **kw):  # a slow disk: each data file takes 0.4 s
         if "data" in str(path):
             time.sleep(0.4)
-        return original(self, path, buffers)
+        return original(self, path, buffers, **kw)
 
     monkeypatch.setattr(Storage, "write_file", slow)
     t = torch.zeros(100_000)

@@ -331,7 +331,7 @@ def test_failed_write_commits_nothing_and_keeps_previous(tmp_path, monkeypatch):
     ckpt = Checkpointer(root, keep_last=1)
     ckpt.save(1, {"w": torch.ones(4)}).wait()
 
-    def broken(self, path, buffers):
+    def broken(self, path, buffers, **kw):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(Storage, "write_file", broken)

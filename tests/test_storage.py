@@ -110,3 +110,29 @@ def test_two_tier_save_uploads_and_load_prefers_the_local_copy(tmp_path):
     shutil.rmtree(tmp_path / "local" / "step_1")  # no local copy: the remote one is used
     assert ckpt.load(out, step=1) == 1 and out["w"][0] == 1
     fs.rm("/unickpt-two-tier", recursive=True)
+
+
+def test_direct_write_truncates_padding_and_falls_back_when_unaligned(tmp_path):
+    from unickpt.storage import DIRECT_ALIGN, Storage
+
+    storage = Storage(str(tmp_path))
+    payload = torch.randint(0, 256, (3 * DIRECT_ALIGN + 100,), dtype=torch.uint8)
+    # an aligned buffer whose last block is padded up to the alignment, as the staging ring hands it over
+    raw = torch.zeros(5 * DIRECT_ALIGN, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % DIRECT_ALIGN
+    buf = raw[skip: skip + 4 * DIRECT_ALIGN]
+    buf[: payload.numel()] = payload
+    buf[payload.numel():] = 7  # padding: must not reach the file
+    view = memoryview(buf.numpy())
+    path = str(tmp_path / "direct.bin")
+    n = storage.write_file(path, [view[: 2 * DIRECT_ALIGN], view[2 * DIRECT_ALIGN:]], direct=True,
+                           size=payload.numel())
+    assert n == payload.numel()
+    assert open(path, "rb").read() == payload.numpy().tobytes()
+    # unaligned buffers (any bytes object): the file system refuses O_DIRECT, the write falls back to buffered
+    odd = bytes(range(256)) * 33 + b"x"
+    path2 = str(tmp_path / "fallback.bin")
+    assert storage.write_file(path2, [odd[:4097], odd[4097:]], direct=True, size=len(odd)) == len(odd)
+    assert open(path2, "rb").read() == odd
+    with pytest.raises(ValueError, match="direct write needs the file's logical size"):
+        storage.write_file(str(tmp_path / "x.bin"), [odd], direct=True)
