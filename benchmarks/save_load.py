@@ -480,7 +480,7 @@ def scenario_train(cfg: dict) -> list[dict] | None:
                 stall += time.perf_counter() - c0
             b.optim.step()  # unickpt overlap: its pre-hook waits here and adds the wait to stats.stall_s
             b.optim.zero_grad(set_to_none=True)
-            if before is not None and s == "unickpt-async-overlap":
+            if before is not None and s.startswith("unickpt-async-overlap"):
                 stall += max(0.0, h.stats.stall_s - before)
             rows.append((time.perf_counter() - t0 - stall, stall if snap is not None else None, busy))
         for w in pending:
