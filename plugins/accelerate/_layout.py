@@ -1,0 +1,141 @@
+"""Where unickpt puts its checkpoint inside the folders Accelerate asks for, and ``total_limit`` rotation.
+
+Layout (Accelerate's own naming is kept, so users and tools that know ``checkpoint_<N>`` still work)::
+
+    <output_dir>/                      the folder given to (or chosen by) ``save_state``
+      unickpt/                         a unickpt checkpoint root (``unickpt ls`` lists it)
+        step_<K>/metadata.json ...     one save into this folder (K = 0, 1, ... for repeated saves)
+        latest                         "step_<K>", the newest committed save in this folder
+      <files the user's save hooks wrote>
+
+With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` the folders are
+``<project_dir>/checkpoints/checkpoint_<N>``. Accelerate deletes the oldest folders beyond
+``total_limit`` *before* a save (so a failing save can leave no checkpoint at all); here rotation runs
+on group rank 0 *after* the new checkpoint committed, and never deletes the folder just committed nor
+one that a save still in flight (this process or a live writer) is writing into.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+
+from unickpt.checkpointer import list_checkpoints
+from unickpt.metadata import METADATA_FILE, writer_alive
+from unickpt.storage import Storage
+
+__all__ = ["STORE_DIR", "store_root", "is_unickpt_folder", "committed", "checkpoint_folders", "newest_loadable",
+           "rotate", "remove_failed", "next_step"]
+
+log = logging.getLogger("unickpt.accelerate")
+
+STORE_DIR = "unickpt"
+_FOLDER = re.compile(r"^checkpoint_(\d+)$")
+
+
+def store_root(output_dir: str) -> str:
+    """The unickpt checkpoint root inside Accelerate's folder ``output_dir``."""
+    return os.path.join(os.fspath(output_dir), STORE_DIR)
+
+
+def is_unickpt_folder(output_dir: str) -> bool:
+    """True when ``output_dir`` holds a unickpt root (committed or not)."""
+    return os.path.isdir(store_root(output_dir))
+
+
+def committed(output_dir: str) -> bool:
+    """True when ``output_dir``'s unickpt root holds at least one committed save."""
+    root = store_root(output_dir)
+    return os.path.isdir(root) and any(ok for _, ok in list_checkpoints(root))
+
+
+def next_step(output_dir: str) -> int:
+    """The step number for the next save into ``output_dir``: one past every existing ``step_<K>``."""
+    root = store_root(output_dir)
+    steps = [s for s, _ in list_checkpoints(root)] if os.path.isdir(root) else []
+    return max(steps) + 1 if steps else 0
+
+
+def checkpoint_folders(checkpoints_dir: str) -> list[tuple[int, str]]:
+    """``[(N, path), ...]`` of the ``checkpoint_<N>`` folders in ``checkpoints_dir``, by N."""
+    if not os.path.isdir(checkpoints_dir):
+        return []
+    out = []
+    for name in os.listdir(checkpoints_dir):
+        m = _FOLDER.match(name)
+        path = os.path.join(checkpoints_dir, name)
+        if m and os.path.isdir(path):
+            out.append((int(m.group(1)), path))
+    return sorted(out)
+
+
+def newest_loadable(checkpoints_dir: str) -> str | None:
+    """The newest ``checkpoint_<N>`` folder that can be loaded: its unickpt root has a committed
+    save, or it has no unickpt root (a checkpoint Accelerate wrote itself). Folders whose unickpt
+    save never committed (a crash, or a save still running elsewhere) are skipped with a warning."""
+    for _, path in reversed(checkpoint_folders(checkpoints_dir)):
+        if not is_unickpt_folder(path) or committed(path):
+            return path
+        log.warning("unickpt.accelerate: skipping %s: its unickpt checkpoint is not committed", path)
+    return None
+
+
+def remove_failed(output_dir: str) -> bool:
+    """Remove the folder of a save that failed before anything committed in it, if it holds nothing
+    but that save's unickpt root (nothing of the user's). Returns whether it was removed."""
+    if not os.path.isdir(output_dir) or committed(output_dir):
+        return False
+    if any(name != STORE_DIR for name in os.listdir(output_dir)):
+        return False
+    shutil.rmtree(output_dir)
+    log.info("unickpt.accelerate: removed %s, the folder of a failed save", output_dir)
+    return True
+
+
+def _busy(path: str, in_flight) -> bool:
+    """True when a unickpt save may still be writing inside the Accelerate folder ``path``."""
+    root = store_root(path)
+    if not os.path.isdir(root):
+        return False
+    storage = Storage(root)
+    for step, ok in list_checkpoints(root):
+        step_dir = os.path.join(root, f"step_{step}")
+        if not ok and (in_flight(step_dir) or writer_alive(storage, step_dir)):
+            return True
+    return False
+
+
+def rotate(checkpoints_dir: str, total_limit: int, keep: str, in_flight) -> list[str]:
+    """Delete the oldest ``checkpoint_<N>`` folders so that at most ``total_limit`` remain.
+
+    Args:
+        checkpoints_dir: ``<project_dir>/checkpoints``.
+        total_limit: how many folders to keep (``ProjectConfiguration.total_limit``, >= 1).
+        keep: the folder whose save just committed; never deleted.
+        in_flight: ``in_flight(path) -> bool``, whether this process still saves into ``path``.
+
+    A folder a save is still writing into is kept (and counts towards the limit). unickpt saves are
+    uncommitted first (``metadata.json`` removed), so a half-deleted folder is never loadable.
+    Returns the deleted paths.
+    """
+    folders = checkpoint_folders(checkpoints_dir)
+    keep = os.path.abspath(keep)
+    excess = len(folders) - total_limit
+    deleted: list[str] = []
+    for _, path in folders:
+        if excess <= 0:
+            break
+        if os.path.abspath(path) == keep or _busy(path, in_flight):
+            continue
+        root = store_root(path)
+        if os.path.isdir(root):
+            for step, ok in list_checkpoints(root):
+                if ok:
+                    os.remove(os.path.join(root, f"step_{step}", METADATA_FILE))
+        shutil.rmtree(path)
+        deleted.append(path)
+        excess -= 1
+    if deleted:
+        log.info("unickpt.accelerate: total_limit=%d: deleted %s", total_limit, deleted)
+    return deleted

@@ -1,0 +1,326 @@
+"""The patch: ``Accelerator.save_state`` / ``load_state`` / ``end_training`` routed through unickpt.
+
+``Accelerator.save_state`` saves models (``save_fsdp_model`` for FSDP, else a full state dict),
+optimizers (``save_fsdp_optimizer``, which calls ``torch.distributed.checkpoint`` with a
+``FileSystemWriter``), schedulers, dataloader samplers, the scaler, per-process RNG state
+(``save_accelerator_state``) and registered objects (``save_custom_state``), each to its own file.
+Patching those module-level names would make one save several unrelated writes with no common
+commit, and Accelerate would still delete the oldest checkpoint before the new one exists. So the
+methods themselves are replaced (on the class: every instance and subclass that calls ``super()``
+sees them): one collective unickpt save per ``save_state`` with everything in it (see
+:mod:`._state`), written asynchronously, committed atomically, then ``total_limit`` rotation.
+DeepSpeed, Megatron-LM and XLA accelerators keep Accelerate's own methods (DeepSpeed engines save
+through the unickpt DeepSpeed plugin's checkpoint engine). A folder without a unickpt checkpoint
+(written by Accelerate itself) is loaded by Accelerate's own ``load_state``.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import unickpt
+from unickpt.checkpointer import Checkpointer
+from unickpt.engine import get_engine
+
+from . import _layout
+from ._options import Options
+from ._state import build_state
+
+__all__ = ["enable", "disable", "is_enabled", "options_for", "wait", "patch_accelerate"]
+
+log = logging.getLogger("unickpt.accelerate")
+
+_lock = threading.Lock()
+_global: Options | None = None  # enable() without an accelerator
+_scoped: "weakref.WeakKeyDictionary[Any, Options]" = weakref.WeakKeyDictionary()
+_originals: dict[str, Any] = {}
+
+
+def options_for(accelerator: Any) -> Options | None:
+    """The options unickpt uses for ``accelerator``, or None when Accelerate's own path is used."""
+    from accelerate.utils import DistributedType
+
+    opts = _scoped.get(accelerator, _global)
+    if opts is None:
+        return None
+    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA):
+        return None
+    return opts
+
+
+def is_enabled(accelerator: Any = None) -> bool:
+    """True when ``accelerator``'s ``save_state`` / ``load_state`` go through unickpt (with no
+    argument: when unickpt is on for every accelerator)."""
+    if accelerator is None:
+        return _global is not None
+    return options_for(accelerator) is not None
+
+
+def enable(accelerator: Any = None, options: Options | None = None) -> Options:
+    """Route ``save_state`` / ``load_state`` of ``accelerator`` (None: every accelerator) through unickpt."""
+    global _global
+    patch_accelerate()
+    opts = (options or Options()).validated()
+    with _lock:
+        if accelerator is None:
+            _global = opts
+        else:
+            _scoped[accelerator] = opts
+    return opts
+
+
+def disable(accelerator: Any = None) -> None:
+    """Back to Accelerate's own checkpointing for ``accelerator`` (None: every accelerator not
+    enabled on its own). Pending unickpt saves are waited for."""
+    global _global
+    wait()
+    with _lock:
+        if accelerator is None:
+            _global = None
+        else:
+            _scoped.pop(accelerator, None)
+
+
+def wait() -> None:
+    """Block until every pending unickpt save of this process (default group) has committed;
+    raise the first failure not yet raised."""
+    import torch.distributed as dist
+
+    from unickpt.engine import _ENGINES
+
+    key = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    engine = _ENGINES.get(key)
+    if engine is not None:
+        engine.wait()
+
+
+class _FolderCheckpointer(Checkpointer):
+    """The unickpt root inside one Accelerate folder; keeps its newest committed save only, then
+    runs ``after_commit`` (``total_limit`` rotation) on group rank 0."""
+
+    def __init__(self, root: str, after_commit: Any = None, **kwargs: Any):
+        super().__init__(root, keep_last=1, **kwargs)
+        self._after = after_commit
+
+    def _after_commit(self, step: int) -> None:
+        super()._after_commit(step)
+        if self._after is not None:
+            self._after()
+
+
+def _checkpoints_dir(acc: Any) -> str:
+    return os.path.join(acc.project_dir, "checkpoints")
+
+
+def _output_dir(acc: Any, output_dir: str | None) -> str:
+    """Accelerate's choice of folder (same checks and messages), without its pre-save deletion."""
+    if acc.project_configuration.automatic_checkpoint_naming:
+        base = _checkpoints_dir(acc)
+        os.makedirs(base, exist_ok=True)
+        output_dir = os.path.join(base, f"checkpoint_{acc.save_iteration}")
+        if os.path.exists(output_dir):
+            raise ValueError(
+                f"Checkpoint directory {output_dir} ({acc.save_iteration}) already exists. Please manually override "
+                "`self.save_iteration` with what iteration to start with."
+            )
+        acc.wait_for_everyone()
+    if output_dir is None:
+        raise ValueError("save_state: no output_dir given and automatic checkpoint naming is disabled")
+    output_dir = os.fspath(output_dir)
+    os.makedirs(output_dir, exist_ok=True)
+    return output_dir
+
+
+def _kept(original: list, after_hooks: list) -> list[int]:
+    """Indices of ``original`` whose object is still in ``after_hooks`` (identity)."""
+    ids = {id(x) for x in after_hooks}
+    return [i for i, x in enumerate(original) if id(x) in ids]
+
+
+def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serialization: bool,
+                kwargs: dict) -> Path:
+    from accelerate.utils import DistributedType
+
+    if kwargs:  # Accelerate passes them to DeepSpeed's save_checkpoint only, and ignores them otherwise
+        log.warning("unickpt.accelerate: save_state ignores %s (arguments for DeepSpeed's save_checkpoint)",
+                    sorted(kwargs))
+    engine = get_engine()
+    engine.wait()  # the previous save commits (or raises) before this one starts
+    output_dir = _output_dir(acc, output_dir)
+
+    models = list(acc._models)
+    indices = list(range(len(models)))
+    if acc._save_model_state_pre_hook:
+        fsdp = acc.distributed_type == DistributedType.FSDP
+        weights = [] if fsdp else [acc.get_state_dict(m, unwrap=False) for m in models]
+        original = list(weights)
+        for hook in acc._save_model_state_pre_hook.values():
+            hook(acc._models, weights, output_dir)
+        if not fsdp:
+            indices = _kept(original, weights)
+
+    state = build_state(acc, indices, opts)
+    after = None
+    limit = acc.project_configuration.total_limit
+    if acc.project_configuration.automatic_checkpoint_naming and limit is not None:
+        checkpoints_dir, keep = _checkpoints_dir(acc), output_dir
+        after = lambda: _layout.rotate(checkpoints_dir, limit, keep, engine.in_flight)  # noqa: E731
+    ckpt = _FolderCheckpointer(_layout.store_root(output_dir), after_commit=after,
+                               allow_pickle=opts.allow_pickle or not safe_serialization)
+    step = engine.broadcast(_layout.next_step(output_dir) if engine.rank == 0 else None)
+    try:
+        ckpt.save(step, state, async_save=opts.async_save)
+    except BaseException as e:
+        if acc.project_configuration.automatic_checkpoint_naming:
+            _remove_failed(engine, output_dir, step, e)  # so that the next save_state can use this iteration
+        if isinstance(e, unickpt.UnsafeObjectError):
+            raise unickpt.UnsafeObjectError(
+                f"{e} (unickpt.accelerate: allow pickling with save_state(..., safe_serialization=False), "
+                "unickpt.accelerate.enable(allow_pickle=True) or UNICKPT_ACCELERATE_ALLOW_PICKLE=1)") from e
+        raise
+    acc.project_configuration.iteration += 1
+    return Path(output_dir)
+
+
+def _remove_failed(engine: Any, output_dir: str, step: int, error: BaseException) -> None:
+    """Group rank 0 removes the folder of a save that failed at the call; when the failure was
+    agreed by every rank (a bad state, a refused target: the group still works), the other ranks
+    wait for it, so that none of them sees the folder in its next ``save_state``."""
+    from unickpt.errors import RankFailuresError
+
+    if engine.rank == 0:
+        step_dir = os.path.join(_layout.store_root(output_dir), f"step_{step}")
+        deadline = time.monotonic() + 30.0
+        while engine.in_flight(step_dir) and time.monotonic() < deadline:  # the failed save winds down
+            time.sleep(0.01)
+        try:
+            _layout.remove_failed(output_dir)
+        except OSError:
+            log.exception("unickpt.accelerate: could not remove %s after a failed save", output_dir)
+    if isinstance(error, Exception) and not isinstance(error, RankFailuresError):
+        try:
+            engine.broadcast(None)
+        except Exception:  # keep the save's own error
+            log.exception("unickpt.accelerate: synchronizing after a failed save failed")
+
+
+def _input_dir(acc: Any, input_dir: str | None, engine: Any) -> str:
+    if input_dir is not None:
+        input_dir = os.path.expanduser(os.fspath(input_dir))
+        if not os.path.isdir(input_dir):
+            raise ValueError(f"Tried to find {input_dir} but folder does not exist")
+        return input_dir
+    if not acc.project_configuration.automatic_checkpoint_naming:
+        raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+    checkpoints_dir = _checkpoints_dir(acc)
+    chosen = engine.broadcast(_layout.newest_loadable(checkpoints_dir) if engine.rank == 0 else None)
+    if chosen is None:
+        raise unickpt.CheckpointNotFoundError(f"load_state: no loadable checkpoint_<N> folder in {checkpoints_dir!r}")
+    return chosen
+
+
+def _load_state(acc: Any, opts: Options, input_dir: str | None, load_kwargs: dict | None, kwargs: dict) -> Any:
+    from accelerate.utils import DistributedType
+
+    engine = get_engine()
+    engine.wait()  # a pending save commits first: it may be the one being loaded
+    input_dir = _input_dir(acc, input_dir, engine)
+    if not engine.broadcast(_layout.is_unickpt_folder(input_dir) if engine.rank == 0 else None):
+        log.info("unickpt.accelerate: %s holds no unickpt checkpoint; loading it with Accelerate", input_dir)
+        return _originals["load_state"](acc, input_dir, load_kwargs=load_kwargs, **kwargs)
+    kwargs = dict(kwargs)
+    kwargs.pop("map_location", None)  # tensors are loaded in place, where they already are
+    if load_kwargs:
+        log.warning("unickpt.accelerate: load_state ignores load_kwargs=%s (arguments for torch.load)",
+                    sorted(load_kwargs))
+    strict = kwargs.pop("strict", True)
+    if kwargs:
+        raise TypeError(f"load_state: unexpected keyword argument(s) {sorted(kwargs)} for a unickpt checkpoint "
+                        "(supported: strict, map_location)")
+
+    fsdp = acc.distributed_type == DistributedType.FSDP
+    models = [] if fsdp else list(acc._models)
+    original = list(models)
+    for hook in acc._load_model_state_pre_hook.values():
+        hook(models, input_dir)
+    indices = list(range(len(acc._models))) if fsdp else _kept(original, models)
+
+    state = build_state(acc, indices, opts)
+    ckpt = Checkpointer(_layout.store_root(input_dir), allow_pickle=opts.allow_pickle)
+    try:
+        step = ckpt.load(state, strict=strict)
+    except unickpt.UnsafeObjectError as e:
+        raise unickpt.UnsafeObjectError(
+            f"{e} (unickpt.accelerate: unickpt.accelerate.enable(allow_pickle=True) or "
+            "UNICKPT_ACCELERATE_ALLOW_PICKLE=1)") from e
+    except unickpt.PerRankReshardError as e:
+        raise unickpt.PerRankReshardError(
+            f"{e}. unickpt.accelerate: per-process RNG state of {input_dir!r} cannot be continued on "
+            f"{acc.num_processes} process(es); choose a rule with unickpt.accelerate.enable(rng_reshard='by_rank' "
+            "or 'keep') or UNICKPT_ACCELERATE_RNG_RESHARD=by_rank|keep"
+        ) from e
+    if step is None:
+        raise unickpt.CheckpointNotFoundError(
+            f"load_state: {_layout.store_root(input_dir)!r} holds no committed unickpt checkpoint "
+            "(the save never finished)"
+        )
+    saved = state["accelerate"]
+    acc.step = int(saved["step"])
+    if acc.project_configuration.automatic_checkpoint_naming:
+        # the next save_state goes after the loaded folder (Accelerate leaves the counter alone:
+        # huggingface/accelerate#1601, #3306)
+        acc.project_configuration.iteration = int(saved["iteration"]) + 1
+    if acc.scaler is not None and acc.is_fsdp2:
+        acc.scaler._lazy_init_scale_growth_tracker(acc.scaler._device)
+    return None
+
+
+def _wait_quietly() -> None:
+    try:
+        wait()
+    except Exception:  # at exit there is no caller left to raise to
+        log.exception("unickpt.accelerate: a pending save failed")
+
+
+def patch_accelerate() -> None:
+    """Replace ``Accelerator.save_state`` / ``load_state`` / ``end_training`` (idempotent).
+
+    The replacements call Accelerate's originals for accelerators unickpt is not enabled for."""
+    from accelerate import Accelerator
+
+    with _lock:
+        if getattr(Accelerator.save_state, "__unickpt__", False):
+            return
+        orig_save, orig_load, orig_end = Accelerator.save_state, Accelerator.load_state, Accelerator.end_training
+        _originals.update(save_state=orig_save, load_state=orig_load, end_training=orig_end)
+
+        @functools.wraps(orig_save)
+        def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any):
+            opts = options_for(self)
+            if opts is None:
+                return orig_save(self, output_dir, safe_serialization=safe_serialization, **kwargs)
+            return _save_state(self, opts, output_dir, safe_serialization, kwargs)
+
+        @functools.wraps(orig_load)
+        def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any):
+            opts = options_for(self)
+            if opts is None:
+                return orig_load(self, input_dir, load_kwargs=load_kwargs, **kwargs)
+            return _load_state(self, opts, input_dir, load_kwargs, kwargs)
+
+        @functools.wraps(orig_end)
+        def end_training(self):
+            wait()  # the commit needs the process group that end_training destroys
+            return orig_end(self)
+
+        for fn in (save_state, load_state, end_training):
+            fn.__unickpt__ = True  # type: ignore[attr-defined]
+        Accelerator.save_state, Accelerator.load_state, Accelerator.end_training = save_state, load_state, end_training
+        atexit.register(_wait_quietly)

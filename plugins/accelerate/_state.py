@@ -1,0 +1,197 @@
+"""What ``Accelerator.save_state`` saves, as one unickpt state (and the same tree as a load target).
+
+::
+
+    {"accelerate":  {"step", "iteration", "num_processes", "distributed_type"}   plain values (rank 0's)
+     "scaler":      GradScaler                                    (before the optimizers: FSDP2 needs it first)
+     "models":      {"<i>": nn.Module | FSDP1 flat-parameter state}      sharded or replicated tensors
+     "optimizers":  {"<i>": torch.optim.Optimizer | adapter}     fqn-keyed state (get_optimizer_state_dict)
+     "schedulers":  {"<i>": scheduler}                            state dict (plain values)
+     "dataloaders": {"<i>": DataLoaderState}                      epoch, sampler seed/epoch, generator (rank 0's)
+     "dataloader_states": {"<i>": PerRank(stateful dataloader)}   torchdata position, per process
+     "custom":      {"<i>": registered object}                   its state dict
+     "rng":         unickpt.RNGState                               per process}
+
+``<i>`` is the object's index in the accelerator (``_models[i]``, ...). Model and optimizer state use
+the fqns of ``model.state_dict()`` without wrapper prefixes (DDP ``module.``, FSDP), so they load into
+any number of processes and across DDP / FSDP / a single process.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import unickpt
+
+from ._options import Options
+
+__all__ = ["DataLoaderState", "OptimizerState", "build_state", "rng_state"]
+
+
+class DataLoaderState:
+    """State of one prepared dataloader that every process shares (saved from process 0).
+
+    ``state_dict()`` -> ``{"iteration": int, "sampler_epoch": int | None, "sampler_seed": int | None,
+    "generator": bytes | None}``: the epoch counter of Accelerate's ``DataLoaderShard`` /
+    ``DataLoaderDispatcher`` (``set_epoch`` is called with it at the start of each epoch), the epoch
+    and seed of a ``SeedableRandomSampler``, and the ``torch.Generator`` state of the sampler
+    (Accelerate synchronizes it from process 0 at the start of each epoch, ``rng_types=["generator"]``).
+    These fix the order of the next epochs on any number of processes. The position inside an epoch
+    is not part of it (as in Accelerate: use ``accelerator.skip_first_batches``), except for
+    torchdata stateful dataloaders, saved per process under ``dataloader_states``.
+    """
+
+    def __init__(self, dataloader: Any):
+        self.dataloader = dataloader
+
+    def _sampler(self) -> Any:
+        """The index sampler under Accelerate's wrappers (``BatchSamplerShard.batch_sampler.sampler``,
+        the path ``DataLoaderShard.set_epoch`` takes), or None."""
+        from torch.utils.data import BatchSampler
+
+        batch_sampler = getattr(self.dataloader, "batch_sampler", None)
+        holders = (batch_sampler, getattr(batch_sampler, "batch_sampler", None), getattr(self.dataloader, "sampler", None))
+        for holder in holders:
+            sampler = getattr(holder, "sampler", None)
+            if sampler is not None and not isinstance(sampler, BatchSampler):
+                return sampler
+        sampler = getattr(self.dataloader, "sampler", None)
+        return None if isinstance(sampler, BatchSampler) else sampler
+
+    def state_dict(self) -> dict:
+        sampler = self._sampler()
+        gen = getattr(sampler, "generator", None)
+        return {
+            "iteration": int(getattr(self.dataloader, "iteration", 0)),
+            "sampler_epoch": int(sampler.epoch) if hasattr(sampler, "epoch") else None,
+            "sampler_seed": int(sampler.initial_seed) if hasattr(sampler, "initial_seed") else None,
+            "generator": bytes(gen.get_state().numpy().tobytes()) if isinstance(gen, torch.Generator) else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if hasattr(self.dataloader, "iteration"):
+            self.dataloader.iteration = int(state["iteration"])
+        sampler = self._sampler()
+        if state.get("sampler_epoch") is not None and hasattr(sampler, "epoch"):
+            sampler.epoch = int(state["sampler_epoch"])
+        if state.get("sampler_seed") is not None and hasattr(sampler, "initial_seed"):
+            sampler.initial_seed = int(state["sampler_seed"])
+        if state.get("generator") is not None and sampler is not None and hasattr(sampler, "generator"):
+            if not isinstance(sampler.generator, torch.Generator):
+                sampler.generator = torch.Generator()
+            sampler.generator.set_state(torch.frombuffer(bytearray(state["generator"]), dtype=torch.uint8))
+
+
+class OptimizerState:
+    """An optimizer whose model is not in the state (a save hook took the model's weights out):
+    ``get_optimizer_state_dict(model, optimizer)`` / ``set_optimizer_state_dict``, the same fqn-keyed
+    layout the core uses for an optimizer next to its model. With ``model=None`` (no prepared model
+    holds its parameters) the optimizer's own ``state_dict()`` (parameter indices) is used."""
+
+    def __init__(self, model: nn.Module | None, optimizer: torch.optim.Optimizer):
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict:
+        if self.model is None:
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.model is None:
+            self.optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+def rng_state(options: Options) -> unickpt.RNGState:
+    """This process's RNG state leaf, with the resharding rule of ``options.rng_reshard``."""
+    holder: list[unickpt.RNGState] = []
+
+    def current(states: list, rank: int, world_size: int) -> Any:
+        return holder[0].value.state_dict()  # leaves the generators as they are
+
+    def by_rank(states: list, rank: int, world_size: int) -> Any:
+        return states[rank] if rank < len(states) else current(states, rank, world_size)
+
+    rule = {"error": None, "by_rank": by_rank, "keep": current}[options.rng_reshard]
+    holder.append(unickpt.RNGState(reshard=rule))
+    return holder[0]
+
+
+def _is_fsdp1(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+def _owner(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> nn.Module | None:
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for m in models:
+        if any(id(p) in ids for p in m.parameters()):
+            return m
+    return None
+
+
+def build_state(accelerator: Any, model_indices: list[int], options: Options) -> dict:
+    """The unickpt state of ``accelerator`` (see the module docstring), for a save or as a load target.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` (not DeepSpeed / Megatron-LM / XLA: those keep
+            Accelerate's own path).
+        model_indices: indices into ``accelerator._models`` of the models to include (a save or load
+            pre-hook may have taken some out).
+        options: the plugin options (RNG resharding rule).
+    """
+    from accelerate.utils import DistributedType
+
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    all_models = list(accelerator._models)
+    models: dict[str, Any] = {}
+    for i in model_indices:
+        model = all_models[i]
+        if fsdp and _is_fsdp1(model):
+            import unickpt.fsdp
+
+            models[str(i)] = unickpt.fsdp.model_state(model)
+        else:
+            models[str(i)] = model
+    saved_models = [all_models[i] for i in model_indices]
+
+    optimizers: dict[str, Any] = {}
+    for i, opt in enumerate(accelerator._optimizers):
+        inner = getattr(opt, "optimizer", opt)
+        owner = _owner(inner, all_models)
+        if owner is not None and fsdp and _is_fsdp1(owner):
+            import unickpt.fsdp
+
+            optimizers[str(i)] = unickpt.fsdp.optimizer_state(owner, inner)
+        elif owner is not None and any(owner is m for m in saved_models):
+            optimizers[str(i)] = inner  # the core pairs it with its model (and guards it in overlap snapshots)
+        else:
+            optimizers[str(i)] = OptimizerState(owner, inner)
+
+    state: dict[str, Any] = {
+        "accelerate": {"step": int(accelerator.step), "iteration": int(accelerator.save_iteration),
+                       "num_processes": int(accelerator.num_processes),
+                       "distributed_type": str(accelerator.distributed_type)},
+    }
+    if accelerator.scaler is not None:
+        state["scaler"] = accelerator.scaler
+    state["models"] = models
+    state["optimizers"] = optimizers
+    state["schedulers"] = {str(i): s for i, s in enumerate(accelerator._schedulers)}
+    state["dataloaders"] = {str(i): DataLoaderState(dl) for i, dl in enumerate(accelerator._dataloaders)}
+    stateful = {str(i): unickpt.PerRank(dl) for i, dl in enumerate(accelerator._dataloaders)
+                if getattr(dl, "use_stateful_dataloader", False)}
+    if stateful:
+        state["dataloader_states"] = stateful
+    state["custom"] = {str(i): obj for i, obj in enumerate(accelerator._custom_objects)}
+    state["rng"] = rng_state(options)
+    return state

@@ -1,0 +1,63 @@
+"""An ordinary Accelerate training script (it does not import unickpt): 3 epochs, save_state after each
+epoch with automatic checkpoint naming and total_limit=2, a scheduler, a shuffled dataloader, dropout
+and a registered object. With UNICKPT_ACCELERATE=1 its checkpoints go through unickpt.
+
+    train:  accelerate_train.py REPORT PROJECT train
+    resume: accelerate_train.py REPORT PROJECT resume CHECKPOINT_DIR   (load, then finish the epochs)
+"""
+import os
+import sys
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from accelerate_common import (Progress, digest, full_states, make_data, make_model, rng_digest,  # noqa: E402
+                               write_report)
+
+EPOCHS = 3
+report_path, project, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+acc = Accelerator(project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True,
+                                                      total_limit=2))
+model = make_model()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+loader = torch.utils.data.DataLoader(make_data(), batch_size=4, shuffle=True)
+model, optimizer, scheduler, loader = acc.prepare(model, optimizer, scheduler, loader)
+progress = Progress()
+acc.register_for_checkpointing(progress)
+report = {"world": acc.num_processes, "saves": {}}
+
+
+def snapshot() -> dict:
+    m, o = full_states(model, optimizer)
+    gen = getattr(loader.batch_sampler, "batch_sampler", loader.batch_sampler).sampler.generator
+    return {"model": m, "optim": o, "rng": rng_digest(), "lr": scheduler.get_last_lr(), "step": acc.step,
+            "progress": progress.state_dict(), "iteration": acc.save_iteration, "loader_epoch": loader.iteration,
+            "generator": digest(gen.get_state()) if gen is not None else None}
+
+
+start = 0
+if mode == "resume":
+    acc.load_state(sys.argv[4])
+    report["loaded"] = snapshot()
+    start = progress.epoch + 1
+for epoch in range(start, EPOCHS):
+    model.train()
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        acc.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        progress.history.append(round(float(loss.detach()), 6))
+    progress.epoch = epoch
+    if mode == "train":
+        acc.save_state()
+        report["saves"][str(epoch)] = snapshot()
+report["final"] = snapshot()
+acc.wait_for_everyone()
+acc.end_training()
+report["files"] = sorted(os.listdir(os.path.join(project, "checkpoints")))
+write_report(report_path, acc.process_index, report)

@@ -1,0 +1,300 @@
+"""unickpt.accelerate: Accelerator.save_state / load_state through unickpt (CPU, gloo, real processes).
+
+Five script runs are shared by the tests (three, then two at a time):
+  A  tests/accelerate_train.py, 2 processes, UNICKPT_ACCELERATE=1, the script unmodified (no unickpt
+     import): 3 epochs, save_state after each (automatic naming, total_limit=2), scheduler, shuffled
+     dataloader, dropout, a registered object;
+  E  tests/accelerate_fsdp.py, 2 processes, FSDP2 SHARDED_STATE_DICT as Accelerate prepares it;
+  F  the same with FSDP1 (flat parameters, use_orig_params=True);
+  B  tests/accelerate_train.py resume from A's checkpoint_1, 2 processes, then finish training;
+  D  tests/accelerate_single.py, 1 process: A's, E's and F's checkpoints, overwrite, pickling, total_limit, hooks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = pytest.mark.timeout(600)  # the first test also waits for the shared runs (busy 2-core machine)
+
+NATIVE_FILES = ("model.safetensors", "pytorch_model.bin", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
+                "random_states_1.pkl", "custom_checkpoint_0.pkl", "pytorch_model_fsdp_0", "optimizer_0")
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UNICKPT_ACCELERATE")}
+    env.update(OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1", PYTHONWARNINGS="ignore")
+    env.update(extra)
+    return env
+
+
+def _start(nproc: int | None, script: str, *args: str, env: dict) -> subprocess.Popen:
+    cmd = [sys.executable]
+    if nproc is not None:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd += [os.path.join(HERE, script), *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _finish(runs: dict[str, subprocess.Popen]) -> None:
+    """Wait for every run; on a failure or a timeout, kill the runs (their whole process groups)."""
+    try:
+        for name, proc in runs.items():
+            out, _ = proc.communicate(timeout=480)
+            assert proc.returncode == 0, f"run {name} failed (exit {proc.returncode}):\n{out[-6000:]}"
+    finally:
+        for proc in runs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _reports(prefix: str, n: int) -> list[dict]:
+    out = []
+    for r in range(n):
+        with open(f"{prefix}.{r}.json") as f:
+            out.append(json.load(f))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("accelerate")
+    project, fsdp_dir, fsdp1_dir, work = tmp / "project", tmp / "fsdp", tmp / "fsdp1", tmp / "work"
+    work.mkdir()
+    first = {
+        "A": _start(2, "accelerate_train.py", str(tmp / "A"), str(project), "train",
+                    env=_env(UNICKPT_ACCELERATE="1")),
+        "E": _start(2, "accelerate_fsdp.py", str(tmp / "E"), str(fsdp_dir), "2", env=_env()),
+        "F": _start(2, "accelerate_fsdp.py", str(tmp / "F"), str(fsdp1_dir), "1", env=_env()),
+    }
+    _finish(first)
+    ckpt1 = str(project / "checkpoints" / "checkpoint_1")
+    second = {
+        "B": _start(2, "accelerate_train.py", str(tmp / "B"), str(project), "resume", ckpt1,
+                    env=_env(UNICKPT_ACCELERATE="1")),
+        "D": _start(None, "accelerate_single.py", str(tmp / "D"), ckpt1, str(fsdp_dir), str(fsdp1_dir), str(work),
+                    env=_env()),
+    }
+    _finish(second)
+    return {"tmp": tmp, "project": project, "fsdp": fsdp_dir, "fsdp1": fsdp1_dir, "A": _reports(str(tmp / "A"), 2),
+            "B": _reports(str(tmp / "B"), 2), "E": _reports(str(tmp / "E"), 2), "F": _reports(str(tmp / "F"), 2),
+            "D": _reports(str(tmp / "D"), 1)[0]}
+
+
+def _metadata(path) -> dict:
+    with open(os.path.join(path, "unickpt", "step_0", "metadata.json")) as f:
+        return json.load(f)
+
+
+def test_env_var_routes_unmodified_script_through_unickpt_with_rotation(runs):
+    checkpoints = runs["project"] / "checkpoints"
+    # total_limit=2 after 3 saves: checkpoint_0 was rotated out after checkpoint_2 committed
+    assert sorted(os.listdir(checkpoints)) == ["checkpoint_1", "checkpoint_2"]
+    for rank in (0, 1):
+        assert runs["A"][rank]["files"] == ["checkpoint_1", "checkpoint_2"]
+    for name in ("checkpoint_1", "checkpoint_2"):
+        folder = checkpoints / name
+        assert sorted(os.listdir(folder)) == ["unickpt"]  # nothing written by Accelerate itself
+        assert sorted(os.listdir(folder / "unickpt")) == ["latest", "step_0"]
+        meta = _metadata(folder)
+        assert meta["layout"]["world_size"] == 2
+        assert meta["per_rank"]["fqns"] == ["rng"]
+        assert sorted({k.split(".")[0] for k in meta["tensors"]}) == ["models", "optimizers"]
+        assert "models.0.0.weight" in meta["tensors"] and "optimizers.0.state.0.weight.exp_avg" in meta["tensors"]
+        tree = meta["state_tree"]
+        assert tree["accelerate"]["iteration"] == int(name.split("_")[1])
+        assert tree["accelerate"]["num_processes"] == 2
+        assert sorted(tree) == ["accelerate", "custom", "dataloaders", "models", "optimizers", "rng", "schedulers"]
+        custom = tree["custom"]["0"]["__unickpt_stateful__"]
+        epoch = int(name.split("_")[1])
+        assert custom["epoch"] == epoch and len(custom["history"]) == 4 * (epoch + 1)
+        assert tree["dataloaders"]["0"]["__unickpt_stateful__"]["iteration"] == epoch + 1
+        assert tree["dataloaders"]["0"]["__unickpt_stateful__"]["generator"] is not None
+
+
+def test_load_state_restores_everything_and_resume_equals_uninterrupted(runs):
+    for rank in (0, 1):
+        saved, loaded = runs["A"][rank]["saves"]["1"], runs["B"][rank]["loaded"]
+        for key in ("model", "optim", "rng", "lr", "generator", "loader_epoch", "step"):
+            assert loaded[key] == saved[key], (rank, key)
+        assert loaded["iteration"] == 2  # restored: the next save_state would go to checkpoint_2
+        # registered objects are global: every process gets process 0's state, as in Accelerate
+        assert loaded["progress"] == runs["A"][0]["saves"]["1"]["progress"]
+        final_a, final_b = runs["A"][rank]["final"], runs["B"][rank]["final"]
+        for key in ("model", "optim", "rng", "lr", "generator", "loader_epoch"):
+            assert final_b[key] == final_a[key], (rank, key)
+    # training did change the model between the checkpoint and the end
+    assert runs["A"][0]["saves"]["1"]["model"] != runs["A"][0]["final"]["model"]
+
+
+def test_fsdp2_routes_through_unickpt_not_dcp(runs):
+    for rank, rep in enumerate(runs["E"]):
+        assert rep["distributed_type"] == "DistributedType.FSDP" and rep["is_fsdp2"] is True
+        assert rep["param_types"] == ["DTensor"]
+        assert rep["local_shapes"] == [[16, 8], [16], [2, 32], [2]]  # each process holds half of every dim 0
+        assert rep["perturbed_differs"] is True
+        assert rep["loaded"] == rep["saved"]
+        assert rep["rng_loaded"] == rep["rng_saved"]
+        assert [f for f in rep["files"] if not f.startswith("unickpt/")] == []
+    assert runs["E"][0]["saved"] == runs["E"][1]["saved"]  # full-state digests agree across processes
+    meta = _metadata(runs["fsdp"])
+    weight = meta["tensors"]["models.0.0.weight"]
+    assert weight["shape"] == [32, 8]
+    assert sorted(c["offsets"] for c in weight["chunks"]) == [[0, 0], [16, 0]]  # one shard per process, no gather
+    assert "optimizers.0.state.0.weight.exp_avg" in meta["tensors"]
+
+
+def test_fsdp1_flat_parameters_route_through_unickpt(runs):
+    for rep in runs["F"]:
+        assert rep["distributed_type"] == "DistributedType.FSDP" and rep["is_fsdp2"] is False
+        assert rep["fsdp1_units"] == 3  # the root and two size-wrapped Linear units
+        assert rep["perturbed_differs"] is True
+        assert rep["loaded"] == rep["saved"]
+        assert rep["rng_loaded"] == rep["rng_saved"]
+        assert [f for f in rep["files"] if not f.startswith("unickpt/")] == []
+    assert [r["local_shapes"] for r in runs["F"]] == [[[144], [0], [66], [0]], [[112], [32], [62], [4]]]
+    meta = _metadata(runs["fsdp1"])
+    chunks = meta["tensors"]["models.0.0.weight"]["chunks"]  # flat-parameter slices, written without a gather
+    assert [(c["flat_start"], c["flat_length"]) for c in chunks] == [(0, 144), (144, 112)]
+    chunks = meta["tensors"]["optimizers.0.state.0.weight.exp_avg"]["chunks"]
+    assert [(c["flat_start"], c["flat_length"]) for c in chunks] == [(0, 144), (144, 112)]
+
+
+def test_resume_on_one_process(runs):
+    d = runs["D"]
+    assert d["rng_error"][0] == "PerRankReshardError"
+    assert d["rng_error"][1].startswith("'rng': per-rank state was saved by 2 ranks and is being loaded by 1;")
+    assert "UNICKPT_ACCELERATE_RNG_RESHARD=by_rank|keep" in d["rng_error"][1]
+    assert d["untouched_after_error"] is True
+    saved0 = runs["A"][0]["saves"]["1"]
+    for key in ("model", "optim", "rng", "lr", "generator", "progress", "loader_epoch"):
+        assert d["ddp_loaded"][key] == saved0[key], key  # rng_reshard="by_rank": process 0's streams
+    assert d["trained_after_resume"] is True
+    # FSDP2 (2 processes, DTensor shards) -> a plain module and optimizer on 1 process
+    assert d["fsdp_loaded"] == runs["E"][0]["saved"]
+    assert d["fsdp1_loaded"] == runs["F"][0]["saved"]  # FSDP1 flat slices -> plain module and optimizer
+    assert d["rng_kept"] is True
+
+
+def test_folder_written_by_accelerate_itself_loads_through_accelerate(runs):
+    native = runs["D"]["native"]
+    assert native["files"] == ["model.safetensors", "optimizer.bin", "random_states_0.pkl"]
+    assert native["reloaded"] is True
+
+
+def test_repeated_saves_into_one_folder_keep_the_newest(runs):
+    d = runs["D"]
+    assert d["async_returned_uncommitted"] is True  # save_state returned before the commit
+    assert d["same_listing"] == ["latest", "step_1"]
+    assert d["same_reloaded"] is True
+
+
+def test_pickle_is_opt_in_and_safe_serialization(runs):
+    d = runs["D"]
+    assert d["unsafe_save"][0] == "UnsafeObjectError"
+    assert d["unsafe_save"][1].startswith("'custom.0': a value of class __main__.Opaque has no JSON or tensor form")
+    assert "safe_serialization=False" in d["unsafe_save"][1]
+    assert d["unsafe_load"][0] == "UnsafeObjectError"
+    assert d["unsafe_load"][1].startswith("'custom.0': stored object of class __main__.Opaque can only be restored")
+    assert d["pickled_reloaded"] is True
+
+
+def test_failed_save_keeps_last_committed_and_rotation_after_commit(runs):
+    d = runs["D"]
+    assert d["failed_save"][0] == "UnsafeObjectError"
+    assert d["after_failed_save"] == ["checkpoint_0"]  # total_limit=1, yet the old one survives a failed save
+    assert d["reloaded_after_failure"] is True
+    assert d["iteration_after_load"] == 1
+    assert d["after_rotation"] == ["checkpoint_1"]
+    assert d["rotated_committed"] is True
+
+
+def test_save_and_load_pre_hooks(runs):
+    h = runs["D"]["hooks"]
+    assert h["folder"] == ["model_a.txt", "unickpt"]
+    assert h["model_prefixes"] == ["models.1"]
+    assert h["a_untouched"] is True and h["opt_a_restored"] is True and h["b_restored"] is True
+
+
+_PROBE = ("import json, sys, warnings\nwarnings.simplefilter('ignore')\nimport accelerate\n"
+          "from accelerate import Accelerator\n"
+          "print(json.dumps(['unickpt.accelerate._activate' in sys.modules, "
+          "getattr(Accelerator.save_state, '__unickpt__', False)]))")
+
+
+@pytest.mark.parametrize("value, expected", [("1", [True, True]), (None, [False, False])])
+def test_startup_hook_patches_only_with_the_variable(value, expected):
+    env = _env() if value is None else _env(UNICKPT_ACCELERATE=value)
+    out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == expected
+
+
+def test_bad_option_variable_leaves_accelerate_unpatched():
+    env = _env(UNICKPT_ACCELERATE="1", UNICKPT_ACCELERATE_RNG_RESHARD="modulo")
+    probe = _PROBE.replace("warnings.simplefilter('ignore')", "pass")
+    out = subprocess.run([sys.executable, "-W", "always", "-c", probe], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, False]
+    assert ("unickpt.accelerate option rng_reshard must be one of ['error', 'by_rank', 'keep'], got 'modulo'"
+            in out.stderr)
+
+
+def test_options():
+    from unickpt.accelerate import Options, options_from_env
+
+    assert options_from_env({}) == Options(async_save=True, rng_reshard="error", allow_pickle=False)
+    assert options_from_env({"UNICKPT_ACCELERATE_ASYNC": "0", "UNICKPT_ACCELERATE_RNG_RESHARD": "keep",
+                             "UNICKPT_ACCELERATE_ALLOW_PICKLE": "yes"}) == Options(False, "keep", True)
+    with pytest.raises(ValueError, match=r"^UNICKPT_ACCELERATE_ASYNC must be one of 1/0/true/false/yes/no/on/off, "
+                                         r"got 'maybe'$"):
+        options_from_env({"UNICKPT_ACCELERATE_ASYNC": "maybe"})
+    with pytest.raises(ValueError, match=r"^unknown unickpt.accelerate option\(s\) \['asynchronous'\]"):
+        Options().updated(asynchronous=True)
+    with pytest.raises(ValueError, match=r"^unickpt.accelerate option async_save must be a bool, got 1$"):
+        Options().updated(async_save=1)
+
+
+def _folder(root, n: int, kind: str) -> str:
+    path = os.path.join(root, f"checkpoint_{n}")
+    if kind == "native":
+        os.makedirs(path)
+        open(os.path.join(path, "model.safetensors"), "wb").close()
+        return path
+    step = os.path.join(path, "unickpt", "step_0")
+    os.makedirs(os.path.join(step, "data"))
+    if kind == "committed":
+        with open(os.path.join(step, "metadata.json"), "w") as f:
+            f.write("{}")
+    elif kind == "writing":  # a live writer: this test process
+        with open(os.path.join(step, ".unickpt-writer"), "w") as f:
+            json.dump({"host": os.uname().nodename, "pid": os.getpid(), "time": 0}, f)
+    return path
+
+
+def test_rotation_never_deletes_a_save_in_flight_or_the_new_checkpoint(tmp_path):
+    from unickpt.accelerate import _layout
+
+    root = str(tmp_path)
+    f0 = _folder(root, 0, "native")
+    _folder(root, 1, "committed")
+    f2 = _folder(root, 2, "writing")
+    f3 = _folder(root, 3, "committed")
+    f10 = _folder(root, 10, "crashed")  # uncommitted, writer gone: numeric order, not string order
+    assert _layout.newest_loadable(root) == f3
+    in_flight = {os.path.join(f2, "unickpt", "step_0")}
+    deleted = _layout.rotate(root, 2, keep=f3, in_flight=lambda p: p in in_flight)
+    # 5 folders, limit 2: the oldest deletable ones go; checkpoint_2 is still being written, so it stays
+    assert deleted == [f0, os.path.join(root, "checkpoint_1"), f10]
+    assert [n for n, _ in _layout.checkpoint_folders(root)] == [2, 3]
+    assert _layout.rotate(root, 1, keep=f3, in_flight=lambda p: p in in_flight) == []
+    assert _layout.rotate(root, 1, keep=f3, in_flight=lambda p: False) == []  # the writer record is alive
+    assert os.path.isdir(f2) and os.path.isdir(f3)
