@@ -1,83 +1,161 @@
 """``diff_checkpoints``: which tensors and values differ between two checkpoints, tensor by tensor
-(one tensor in memory at a time per checkpoint)."""
+(one tensor in memory at a time per unickpt checkpoint), for checking a resume or a conversion
+(either side may be a checkpoint of another format)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
-from .codec import str_to_dtype
-from .collectives import Comm
-from .loading import load_checkpoint
-from .metadata import CheckpointMetadata, read_metadata
-from .state import saved_leaves
-from .storage import Storage
-from .types import Shard
+from .checkpoint_reader import CheckpointReader
+from .codec import dtype_to_str
+from .errors import CheckpointNotFoundError, FormatVersionError, UnickptError
+from .metadata import CheckpointMetadata
+from .state import flatten, saved_leaves
 
-__all__ = ["Difference", "diff_checkpoints", "read_full_tensor"]
+__all__ = ["Difference", "diff_checkpoints", "open_checkpoint", "read_full_tensor"]
 
 
 @dataclass(frozen=True)
 class Difference:
-    """One differing key: ``kind`` is missing_in_a / missing_in_b / dtype / shape / values / object."""
+    """One differing key: ``kind`` is missing_in_a / missing_in_b / dtype / shape / values / object.
+
+    For ``values``: ``max_abs_diff`` (max |a - b| in float64; None when the dtype has no float
+    conversion or a NaN is involved), ``elements_differ`` (elements whose bits differ) and
+    ``first_index`` (index of the first one, row-major).
+    """
 
     key: str
     kind: str
     detail: str
+    max_abs_diff: float | None = None
+    elements_differ: int | None = None
+    first_index: list[int] | None = None
 
 
 def read_full_tensor(path: str, fqn: str, meta: CheckpointMetadata | None = None,
                      storage_options: dict | None = None) -> torch.Tensor:
-    """The whole (unsharded) tensor ``fqn`` of checkpoint ``path``, read in this process only."""
-    meta = meta or read_metadata(Storage(path, storage_options), path)
-    t = meta.tensors[meta.aliases.get(fqn, fqn)]
-    out = torch.empty(t.shape, dtype=str_to_dtype(t.dtype))
-    state: dict = {}
-    node = state
-    parts = fqn.split(".")
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-    node[parts[-1]] = Shard(out, t.shape, offsets=(0,) * len(t.shape))
-    load_checkpoint(Comm.solo(), path, state, strict=False, storage_options=storage_options, redistribute=False)
-    return out
+    """The whole (unsharded) tensor ``fqn`` of checkpoint ``path``, read in this process only
+    (``meta`` is ignored; kept for callers of the earlier signature)."""
+    return CheckpointReader(path, storage_options).read(fqn)
 
 
-def diff_checkpoints(a: str, b: str, *, atol: float = 0.0, storage_options: dict | None = None) -> list[Difference]:
-    """Compare two checkpoints key by key. Values are compared bitwise unless ``atol`` > 0 (then
-    ``max |a - b| <= atol`` in float64 passes); every differing tensor reports its max abs diff."""
-    meta_a = read_metadata(Storage(a, storage_options), a)
-    meta_b = read_metadata(Storage(b, storage_options), b)
-    keys_a = set(meta_a.tensors) | set(meta_a.aliases)
-    keys_b = set(meta_b.tensors) | set(meta_b.aliases)
+def _first_difference(xa: torch.Tensor, xb: torch.Tensor) -> tuple[int, list[int]]:
+    """(number of differing elements, index of the first one), comparing bit patterns (so NaNs with
+    equal bits are equal and -0.0 differs from 0.0)."""
+    ba, bb = xa.reshape(-1).view(torch.uint8), xb.reshape(-1).view(torch.uint8)
+    isz = xa.element_size()
+    neq = (ba != bb).view(-1, isz).any(dim=1)
+    n = int(neq.sum().item())
+    first = int(neq.nonzero()[0, 0].item()) if n else 0
+    return n, [int(i) for i in torch.unravel_index(torch.tensor(first), xa.shape)] if xa.dim() else []
+
+
+class _StateSource:
+    """A checkpoint of another format (see :mod:`unickpt.importers`), read whole, seen as a
+    :class:`CheckpointReader`: the fqns and plain values are those a save of it would produce."""
+
+    def __init__(self, path: str, allow_pickle: bool):
+        from .importers import read_source
+
+        flat = flatten(read_source(path, allow_pickle=allow_pickle), for_load=False, allow_pickle=True)
+        self._tensors = {fqn: leaf.local for fqn, leaf in flat.tensors.items()}
+        self._objects = saved_leaves(flat.skeleton)[2]
+
+    def keys(self) -> list[str]:
+        return sorted(self._tensors)
+
+    def dtype(self, fqn: str) -> torch.dtype:
+        return self._tensors[fqn].dtype
+
+    def shape(self, fqn: str) -> tuple[int, ...]:
+        return tuple(self._tensors[fqn].shape)
+
+    def nbytes(self, fqn: str) -> int:
+        return self._tensors[fqn].numel() * self._tensors[fqn].element_size()
+
+    def read(self, fqn: str) -> torch.Tensor:
+        return self._tensors[fqn].contiguous()
+
+    def objects(self) -> dict[str, Any]:
+        return self._objects
+
+
+def open_checkpoint(path: str, storage_options: dict | None = None, *,
+                    allow_pickle: bool = False) -> CheckpointReader | _StateSource:
+    """A unickpt checkpoint as a :class:`CheckpointReader`; else, when ``path`` is a local
+    checkpoint of a format :func:`unickpt.importers.detect_source` knows (torch, safetensors, HF,
+    DCP, Megatron, DeepSpeed), that checkpoint read whole into memory. Raises the unickpt reader's
+    error (e.g. CheckpointNotFoundError) when it is neither."""
+    try:
+        return CheckpointReader(path, storage_options)
+    except (CheckpointNotFoundError, FormatVersionError, NotADirectoryError) as e:
+        from .importers import detect_source
+
+        try:
+            detect_source(path)
+        except UnickptError:
+            raise e from None
+        return _StateSource(path, allow_pickle)
+
+
+def diff_checkpoints(a: str, b: str, *, atol: float = 0.0, storage_options: dict | None = None,
+                     allow_pickle: bool = False, progress: Callable[[int, int], None] | None = None) -> list[Difference]:
+    """Compare two checkpoints key by key: tensors (presence, dtype, shape, values) and plain values.
+
+    ``a`` and ``b`` are unickpt checkpoints or, to check a conversion, checkpoints of another
+    format (see :func:`open_checkpoint`; reading some of them needs ``allow_pickle``). Values are
+    compared bitwise (NaNs with equal bits are equal) unless ``atol`` > 0 (then ``max |a - b| <= atol``
+    in float64 passes); every differing tensor reports its max abs diff, the number of differing
+    elements and the first differing index. One tensor per unickpt checkpoint is in memory at a
+    time; ``progress(done, total)`` is called with the bytes (of ``a``) compared so far.
+
+    Returns the tensors missing in ``b``, those missing in ``a`` (each by key), then the
+    differences of common keys in key order, then those of plain values; an empty list means
+    identical. Raises the readers' errors (CheckpointNotFoundError, IntegrityError, ...).
+    """
+    ra = open_checkpoint(a, storage_options, allow_pickle=allow_pickle)
+    rb = open_checkpoint(b, storage_options, allow_pickle=allow_pickle)
+    keys_a, keys_b = set(ra.keys()), set(rb.keys())
     out = [Difference(k, "missing_in_b", "tensor") for k in sorted(keys_a - keys_b)]
     out += [Difference(k, "missing_in_a", "tensor") for k in sorted(keys_b - keys_a)]
-    for key in sorted(keys_a & keys_b):
-        ta = meta_a.tensors[meta_a.aliases.get(key, key)]
-        tb = meta_b.tensors[meta_b.aliases.get(key, key)]
-        if ta.dtype != tb.dtype:
-            out.append(Difference(key, "dtype", f"{ta.dtype} vs {tb.dtype}"))
+    common = sorted(keys_a & keys_b)
+    total = sum(ra.nbytes(k) for k in common)
+    done = 0
+    for key in common:
+        if ra.dtype(key) != rb.dtype(key):
+            out.append(Difference(key, "dtype", f"{dtype_to_str(ra.dtype(key))} vs {dtype_to_str(rb.dtype(key))}"))
             continue
-        if ta.shape != tb.shape:
-            out.append(Difference(key, "shape", f"{list(ta.shape)} vs {list(tb.shape)}"))
+        if ra.shape(key) != rb.shape(key):
+            out.append(Difference(key, "shape", f"{list(ra.shape(key))} vs {list(rb.shape(key))}"))
             continue
-        xa, xb = read_full_tensor(a, key, meta_a, storage_options), read_full_tensor(b, key, meta_b, storage_options)
+        xa, xb = ra.read(key), rb.read(key)
+        done += ra.nbytes(key)
+        if progress:
+            progress(done, total)
         if xa.numel() == 0:
             continue
-        same_bits = torch.equal(xa.reshape(-1).view(torch.uint8), xb.reshape(-1).view(torch.uint8)) \
-            if xa.dtype.itemsize else torch.equal(xa, xb)
-        if same_bits:
+        n, first = _first_difference(xa, xb)
+        if n == 0:
             continue
+        wide = torch.complex128 if xa.is_complex() else torch.float64
         try:
-            diff = (xa.to(torch.float64) - xb.to(torch.float64)).abs().max().item()
-        except (RuntimeError, TypeError):  # dtypes without float conversion
+            diff = (xa.to(wide) - xb.to(wide)).abs().max().item()
+        except (RuntimeError, TypeError):  # dtypes without a float conversion
             diff = float("nan")
         if not (atol > 0 and diff <= atol):
-            n = int((xa != xb).sum().item()) if xa.dtype != torch.bool else int((xa ^ xb).sum().item())
-            out.append(Difference(key, "values", f"max |a-b| = {diff:.6g}, {n} of {xa.numel()} elements differ"))
-    _, _, obj_a = saved_leaves(meta_a.state_tree)
-    _, _, obj_b = saved_leaves(meta_b.state_tree)
+            detail = (f"max |a-b| = {diff:.6g}, {n} of {xa.numel()} elements differ, "
+                      f"first at {first}: {_item(xa, first)} vs {_item(xb, first)}")
+            out.append(Difference(key, "values", detail, None if math.isnan(diff) else diff, n, first))
+    obj_a, obj_b = ra.objects(), rb.objects()
     for key in sorted(set(obj_a) | set(obj_b)):
         if obj_a.get(key) != obj_b.get(key):
             kind = "missing_in_b" if key not in obj_b else "missing_in_a" if key not in obj_a else "object"
             out.append(Difference(key, kind, f"{str(obj_a.get(key))[:60]} vs {str(obj_b.get(key))[:60]}"))
     return out
+
+
+def _item(x: torch.Tensor, index: list[int]) -> str:
+    return repr((x[tuple(index)] if index else x).item())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -24,18 +25,22 @@ class Problem:
 
 
 def verify_checkpoint(path: str, storage_options: dict | None = None,
-                      max_buffer_bytes: int = 64 << 20) -> tuple[list[Problem], int]:
+                      max_buffer_bytes: int = 64 << 20,
+                      progress: Callable[[int, int], None] | None = None) -> tuple[list[Problem], int]:
     """Check every chunk's bytes (checksums, lengths) and every per-rank object file of ``path``.
 
     Reads chunk by chunk, in pieces of at most ``max_buffer_bytes`` (whole checksum blocks).
     Returns ``(problems, bytes checked)``; an empty list means the checkpoint is intact. Raises
     CheckpointNotFoundError / FormatVersionError / IntegrityError when the metadata itself is
-    missing or unreadable.
+    missing or unreadable. ``progress(done, total)`` is called with the chunk bytes checked so far
+    (of all chunks' bytes) after each piece.
     """
     storage = Storage(path, storage_options)
     meta = read_metadata(storage, path)
     problems: list[Problem] = []
     checked = 0
+    total = sum(t.nbytes for t in meta.tensors.values())
+    done = 0
     for fqn in sorted(meta.tensors):
         for chunk in meta.tensors[fqn].chunks:
             file = storage.join(path, chunk.file)
@@ -47,8 +52,11 @@ def verify_checkpoint(path: str, storage_options: dict | None = None,
                     buf = torch.empty(span[0][1], dtype=torch.uint8)
                     checked += read_ranges(storage, file, chunk, span, buf, start)
                     verify_ranges(buf, start, span, chunk, file)
+                    if progress:
+                        progress(done + start + span[0][1], total)
             except IntegrityError as e:
                 problems.append(Problem(chunk.file, fqn, str(e)))
+            done += chunk.byte_length
     for rel in meta.per_rank.get("files", []):
         if rel is None:
             continue

@@ -1,4 +1,4 @@
-"""The ``unickpt`` command line: inspect and ls."""
+"""The ``unickpt`` command line: inspect, ls, verify, diff (export, import, rm, prune: test_tooling.py)."""
 from __future__ import annotations
 
 import json
@@ -35,7 +35,7 @@ def test_inspect_and_ls(tmp_path, capsys):
 
 def test_inspect_incomplete_fails_clearly(tmp_path, capsys):
     os.makedirs(tmp_path / "x")
-    assert main(["inspect", str(tmp_path / "x")]) == 1
+    assert main(["inspect", str(tmp_path / "x")]) == 2
     assert "metadata.json is missing" in capsys.readouterr().err
 
 
@@ -47,14 +47,14 @@ def test_console_script_installed(tmp_path):
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
-    assert main(["ls", str(tmp_path / "missing")]) == 1
+    assert main(["ls", str(tmp_path / "missing")]) == 2  # 2: an error; 1 is for damage found (verify, diff)
     assert "is not a directory" in capsys.readouterr().err
     root = tmp_path / "run"
     unickpt.Checkpointer(root, async_save=False).save(1, {"w": torch.zeros(2)})
-    assert main(["inspect", str(root)]) == 1
+    assert main(["inspect", str(root)]) == 2
     assert "is a checkpoint root" in capsys.readouterr().err
     (root / "step_1" / "metadata.json").write_text('{"format": "unickpt", "format_version": 1}')
-    assert main(["inspect", str(root / "step_1")]) == 1
+    assert main(["inspect", str(root / "step_1")]) == 2
     err = capsys.readouterr().err
     assert "malformed metadata" in err and "Traceback" not in err
 

@@ -1,0 +1,291 @@
+"""``import_checkpoint``: bring an existing checkpoint into unickpt format.
+
+Sources (``detect_source`` tells them apart):
+
+=============  =============================================================  ==============
+source         what                                                           needs pickle
+=============  =============================================================  ==============
+safetensors    one ``.safetensors`` file                                      never
+hf             a Hugging Face model folder: ``model.safetensors`` or          ``.bin`` only
+               ``model.safetensors.index.json`` + shards, else
+               ``pytorch_model.bin`` or ``pytorch_model.bin.index.json``
+torch          a ``torch.save`` file (nested dicts, tensors, plain values)    arbitrary classes
+dcp            a ``torch.distributed.checkpoint`` directory (``.metadata``)   always
+megatron       a Megatron-core ``torch_dist`` checkpoint: a DCP directory     always
+               plus ``common.pt`` and a ``metadata.json`` naming the backend
+deepspeed      a DeepSpeed ZeRO checkpoint (``save_dir`` with ``latest``, or  always
+               one tag directory); model weights consolidated to fp32
+=============  =============================================================  ==============
+
+"needs pickle": reading it runs Python's unpickler, which can execute code, so it is refused unless
+``allow_pickle=True`` (``--allow-pickle``). ``.bin`` and ``torch`` files are read with
+``torch.load(weights_only=True)`` (tensors, containers and numbers only) without it.
+
+The source state is read whole (safetensors files and zip-format torch files memory-mapped, so
+their pages are read as the save stages them), then saved with :func:`unickpt.save` in this process. Keys keep their source names; ``prefix`` nests
+everything under one key (``prefix="model"`` gives fqns ``model.<name>``, to load with
+``unickpt.load(path, {"model": module})``).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import UnickptError, UnsafeObjectError
+from .export import SAFETENSORS_DTYPES
+from .metadata import FORMAT_NAME, METADATA_FILE
+
+__all__ = ["SOURCES", "ImportResult", "detect_source", "read_source", "import_checkpoint", "load_safetensors"]
+
+SOURCES = ("safetensors", "hf", "torch", "dcp", "megatron", "deepspeed")
+_PICKLE_ONLY = {"dcp": "its .metadata file is a pickle", "megatron": "its .metadata and common.pt are pickles",
+                "deepspeed": "its *_states.pt files are pickles"}
+
+
+@dataclass
+class ImportResult:
+    """``source`` (kind), ``src``, ``out``, ``tensors`` (count), ``tensor_bytes``, ``objects`` (plain values)."""
+
+    source: str
+    src: str
+    out: str
+    tensors: int
+    tensor_bytes: int
+    objects: int
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _json_file(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def detect_source(src: str) -> str:
+    """The kind of checkpoint at ``src`` (one of :data:`SOURCES`). Raises UnickptError naming what
+    was looked for when it is none of them, or when ``src`` is already a unickpt checkpoint."""
+    if not os.path.exists(src):
+        raise UnickptError(f"{src!r} does not exist")
+    if os.path.isfile(src):
+        return "safetensors" if src.endswith(".safetensors") else "torch"
+    names = set(os.listdir(src))
+    meta = _json_file(os.path.join(src, METADATA_FILE)) if METADATA_FILE in names else None
+    if isinstance(meta, dict) and meta.get("format") == FORMAT_NAME:
+        raise UnickptError(f"{src!r} is already a unickpt checkpoint")
+    if isinstance(meta, dict) and "sharded_backend" in meta:
+        return "megatron"
+    if ".metadata" in names:
+        return "dcp"
+    if names & {"model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"}:
+        return "hf"
+    if any(n.endswith("model_states.pt") for n in names):
+        return "deepspeed"
+    if "latest" in names:
+        with open(os.path.join(src, "latest")) as f:
+            tag = f.read().strip()
+        if os.path.isdir(os.path.join(src, tag)) and any(n.endswith("model_states.pt") for n in os.listdir(os.path.join(src, tag))):
+            return "deepspeed"
+    raise UnickptError(f"{src!r}: not a checkpoint this tool can import (looked for a .safetensors or torch.save file, "
+                       "a DCP .metadata, a Megatron metadata.json, HF model files, DeepSpeed *model_states.pt)")
+
+
+def _torch_load(path: str, allow_pickle: bool) -> Any:
+    """``torch.load`` on the CPU, memory-mapped when the file is in the zip format."""
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=not allow_pickle, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=not allow_pickle)
+    except Exception as e:
+        if not allow_pickle and type(e).__name__ == "UnpicklingError":
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UnsafeObjectError(f"{path}: holds objects beyond tensors and containers ({first[:160]}); "
+                                    "rerun with --allow-pickle (allow_pickle=True) if you trust the file") from None
+        raise
+
+
+def load_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, memory-mapped (copy-on-write), so that importing a model
+    larger than memory reads it page by page while it is saved. Format: an 8-byte little-endian
+    header length, a JSON header ``{name: {"dtype", "shape", "data_offsets": [begin, end]}}``
+    (offsets relative to the end of the header), the raw little-endian bytes
+    (https://github.com/huggingface/safetensors#format). Raises UnickptError for a malformed file."""
+    import numpy as np
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or 8 + n > size:
+            raise UnickptError(f"{path}: not a safetensors file (header length {n}, file size {size})")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise UnickptError(f"{path}: the safetensors header is not valid JSON ({e})") from None
+    header.pop("__metadata__", None)
+    base = 8 + n
+    data = np.memmap(path, dtype=np.uint8, mode="c") if size > base else np.zeros(0, dtype=np.uint8)
+    names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+    out = {}
+    for name, info in header.items():
+        dtype = names.get(info.get("dtype"))
+        begin, end = info.get("data_offsets", (None, None))
+        if dtype is None or not isinstance(begin, int) or not isinstance(end, int):
+            raise UnickptError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r} / offsets "
+                               f"{info.get('data_offsets')!r}, which this reader does not know")
+        numel = math.prod(info["shape"])
+        if not 0 <= begin <= end <= size - base or end - begin != numel * dtype.itemsize:
+            raise UnickptError(f"{path}: tensor {name!r} ({dtype}, shape {info['shape']}) has data_offsets "
+                               f"[{begin}, {end}], which do not fit it or the file's {size - base} data bytes")
+        raw = torch.from_numpy(data[base + begin : base + end]) if numel else torch.empty(0, dtype=torch.uint8)
+        out[name] = raw.view(dtype).reshape(info["shape"])
+    return out
+
+
+def _read_hf(src: str, allow_pickle: bool) -> dict:
+    for index, single, loader in (("model.safetensors.index.json", "model.safetensors", load_safetensors),
+                                  ("pytorch_model.bin.index.json", "pytorch_model.bin",
+                                   lambda p: _torch_load(p, allow_pickle))):
+        if os.path.exists(os.path.join(src, index)):
+            doc = _json_file(os.path.join(src, index))
+            if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
+                raise UnickptError(f"{os.path.join(src, index)}: no weight_map (not a Hugging Face index)")
+            state: dict = {}
+            for file in sorted(set(doc["weight_map"].values())):
+                part = loader(os.path.join(src, file))
+                state.update(part)
+            missing = sorted(set(doc["weight_map"]) - set(state))
+            if missing:
+                raise UnickptError(f"{src}: the index names {missing[0]!r} ({len(missing)} in all), which its shards lack")
+            return state
+        if os.path.exists(os.path.join(src, single)):
+            return dict(loader(os.path.join(src, single)))
+    raise UnickptError(f"{src!r}: no model.safetensors(.index.json) or pytorch_model.bin(.index.json)")
+
+
+def _read_dcp(src: str) -> dict:
+    """Every tensor (whole, whatever the saved sharding) and object of a DCP directory, as
+    ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` reads them (no process group)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(src), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state
+
+
+def _read_megatron(src: str) -> dict:
+    """Sharded tensors and objects (DCP part, keys as Megatron stored them) plus ``common.pt`` under ``common``."""
+    meta = _json_file(os.path.join(src, METADATA_FILE)) or {}
+    backend = meta.get("sharded_backend")
+    if backend != "torch_dist":
+        raise UnickptError(f"{src}: Megatron sharded_backend {backend!r} is not supported (only 'torch_dist'; "
+                           "zarr checkpoints need megatron-core < 0.16 to convert first)")
+    state = _read_dcp(src)
+    common = os.path.join(src, "common.pt")
+    if os.path.exists(common):
+        if "common" in state:
+            raise UnickptError(f"{src}: a sharded key is named 'common', which would clash with common.pt")
+        state["common"] = _torch_load(common, allow_pickle=True)
+    return state
+
+
+def _read_deepspeed(src: str, tag: str | None) -> dict:
+    try:
+        mod = importlib.import_module("unickpt.deepspeed.zero_import")
+    except ImportError as e:
+        raise UnickptError(f"importing a DeepSpeed checkpoint needs DeepSpeed (pip install 'unickpt[deepspeed]'): {e}") from None
+    return mod.read_zero_checkpoint(src, tag=tag)
+
+
+def read_source(src: str, source: str | None = None, *, allow_pickle: bool = False, tag: str | None = None) -> dict:
+    """The state held by checkpoint ``src`` as a dict (tensors on the CPU, plain values).
+
+    Args:
+        source: one of :data:`SOURCES`; None detects it.
+        allow_pickle: allow reading pickles (see the module docstring); without it a source that
+            needs them raises UnsafeObjectError.
+        tag: DeepSpeed only: the tag (sub-directory) to read instead of the one ``latest`` names.
+    """
+    src = os.fspath(src)
+    kind = source or detect_source(src)
+    if kind not in SOURCES:
+        raise ValueError(f"source {kind!r} is not one of {', '.join(SOURCES)}")
+    if kind in _PICKLE_ONLY and not allow_pickle:
+        raise UnsafeObjectError(f"{src}: reading a {kind} checkpoint runs the unpickler ({_PICKLE_ONLY[kind]}), "
+                                "which can execute code; rerun with --allow-pickle (allow_pickle=True) if you trust it")
+    if kind == "safetensors":
+        return load_safetensors(src)
+    if kind == "hf":
+        return _read_hf(src, allow_pickle)
+    if kind == "torch":
+        state = _torch_load(src, allow_pickle)
+        if not isinstance(state, dict):
+            state = {"value": state}
+        return state
+    if kind == "dcp":
+        return _read_dcp(src)
+    if kind == "megatron":
+        return _read_megatron(src)
+    return _read_deepspeed(src, tag)
+
+
+def _count(state: Any) -> tuple[int, int, int]:
+    """(tensors, tensor bytes, other leaves) of a nested state, for the report."""
+    if isinstance(state, torch.Tensor):
+        return 1, state.numel() * state.element_size(), 0
+    if isinstance(state, dict):
+        parts = [_count(v) for v in state.values()]
+    elif isinstance(state, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in state):
+        parts = [_count(v) for v in state]
+    else:
+        return 0, 0, 1
+    return tuple(sum(p[i] for p in parts) for i in range(3))  # type: ignore[return-value]
+
+
+def import_checkpoint(src: str, out: str, *, source: str | None = None, allow_pickle: bool = False,
+                      prefix: str | None = None, step: int | None = None, tag: str | None = None,
+                      storage_options: dict | None = None) -> ImportResult:
+    """Read checkpoint ``src`` (see :func:`read_source`) and save it as the unickpt checkpoint ``out``.
+
+    ``prefix`` nests the whole state under that key; ``step`` is recorded in ``metadata.json``
+    (default: ``N`` when ``out`` is named ``step_<N>``, and then ``latest`` of its root is updated
+    as after a :class:`~unickpt.Checkpointer` save).
+    Plain values only pickle can express (e.g. an ``argparse.Namespace`` in Megatron's
+    ``common.pt``) are stored as pickles when ``allow_pickle`` (loading them needs it again), else
+    the save raises UnsafeObjectError naming the key. Raises UnickptError / UnsafeObjectError as
+    :func:`read_source`, CheckpointExistsError if ``out`` is a committed checkpoint.
+    """
+    from .api import save
+
+    from .retention import step_of, update_latest
+    from .storage import Storage
+
+    out = os.fspath(out)
+    kind = source or detect_source(os.fspath(src))
+    state = read_source(src, kind, allow_pickle=allow_pickle, tag=tag)
+    if prefix:
+        state = {prefix: state}
+    root, dir_step = step_of(out)
+    with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the report (--json)
+        save(out, state, storage_options=storage_options, step=dir_step if step is None else step,
+             allow_pickle=allow_pickle).wait()
+    if dir_step is not None and root:  # it joined a run's root: keep `latest` right
+        update_latest(Storage(root, storage_options), root, storage_options)
+    n, nbytes, objects = _count(state)
+    return ImportResult(kind, os.fspath(src), out, n, nbytes, objects)
