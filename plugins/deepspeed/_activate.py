@@ -1,0 +1,92 @@
+"""Patch DeepSpeed so that a ``"unickpt"`` block in its JSON config selects unickpt (run at import).
+
+DeepSpeed has no registry for third-party checkpoint engines: ``DeepSpeedEngine._configure_checkpointing``
+calls ``create_checkpoint_engine``, a name imported into ``deepspeed.runtime.engine`` (deepspeed 0.19.8,
+``runtime/engine.py:118`` and ``:1902``). :func:`install` replaces that name with a wrapper that returns a
+:class:`~unickpt.deepspeed.engine.UnickptCheckpointEngine` when the engine's config has
+``"unickpt": {"enabled": true, ...}`` and otherwise calls DeepSpeed's own factory unchanged. It also wraps
+``DeepSpeedEngine.save_checkpoint`` / ``load_checkpoint``: engines whose checkpoint engine is unickpt's
+take unickpt's path (:mod:`unickpt.deepspeed.checkpoint`), every other engine runs DeepSpeed's original
+method with the same arguments.
+
+The unickpt startup hook (:mod:`unickpt._startup`) calls :func:`install` right after ``import deepspeed``
+in every interpreter unless ``UNICKPT_DEEPSPEED=0``. It is cheap: nothing beyond the already imported
+``deepspeed.runtime.engine`` is imported until an engine with the block is created.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+__all__ = ["install", "installed"]
+
+_MARK = "__unickpt_wrapped__"
+
+
+def installed() -> bool:
+    """True once :func:`install` has patched DeepSpeed in this process."""
+    import sys
+
+    mod = sys.modules.get("deepspeed.runtime.engine")
+    return mod is not None and getattr(mod.create_checkpoint_engine, _MARK, False)
+
+
+def install() -> None:
+    """Patch DeepSpeed's checkpoint-engine factory and engine save/load methods (idempotent).
+
+    Must run before ``deepspeed.initialize()`` creates the engine (the factory is called there).
+    Raises ImportError if deepspeed is not installed.
+    """
+    import deepspeed.runtime.engine as ds_engine
+
+    if getattr(ds_engine.create_checkpoint_engine, _MARK, False):
+        return
+    original_factory = ds_engine.create_checkpoint_engine
+
+    @functools.wraps(original_factory)
+    def create_checkpoint_engine(config_params: Any, groups: Any, zero_stage: int, has_moe_layers: bool,
+                                 optimize_dp_state: bool) -> Any:
+        block = _unickpt_block(config_params)
+        if block is not None:
+            from .config import UnickptConfig
+
+            cfg = UnickptConfig.from_block(block)
+            if cfg.enabled:
+                from .engine import UnickptCheckpointEngine
+
+                return UnickptCheckpointEngine(config_params, cfg, has_moe_layers=has_moe_layers)
+        return original_factory(config_params, groups, zero_stage, has_moe_layers, optimize_dp_state)
+
+    setattr(create_checkpoint_engine, _MARK, True)
+    cls = ds_engine.DeepSpeedEngine
+    cls.save_checkpoint = _dispatch(cls.save_checkpoint, "save_checkpoint")
+    cls.load_checkpoint = _dispatch(cls.load_checkpoint, "load_checkpoint")
+    ds_engine.create_checkpoint_engine = create_checkpoint_engine  # last: marks the install as complete
+
+
+def _unickpt_block(config_params: Any) -> Any:
+    """The raw ``"unickpt"`` value of a DeepSpeedConfig, or None (no config, or no block)."""
+    if config_params is None:
+        return None
+    raw = getattr(config_params, "_param_dict", None)
+    if not isinstance(raw, dict):
+        return None
+    return raw.get("unickpt")
+
+
+def _dispatch(original: Any, name: str) -> Any:
+    if getattr(original, _MARK, False):
+        return original
+
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from_unickpt = getattr(getattr(self, "checkpoint_engine", None), "is_unickpt", False)
+        if not from_unickpt:
+            return original(self, *args, **kwargs)
+        from . import checkpoint
+
+        return getattr(checkpoint, name)(self, *args, **kwargs)
+
+    setattr(method, _MARK, True)
+    method.__unickpt_original__ = original
+    return method

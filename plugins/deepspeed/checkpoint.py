@@ -1,0 +1,324 @@
+"""``engine.save_checkpoint`` / ``engine.load_checkpoint`` for DeepSpeed engines that use unickpt.
+
+:mod:`unickpt.deepspeed._activate` routes the two ``DeepSpeedEngine`` methods here when the engine's
+checkpoint engine is :class:`~unickpt.deepspeed.engine.UnickptCheckpointEngine`. Same signatures, same
+directory contract as DeepSpeed: ``save_dir/<tag>/`` is the checkpoint (a unickpt checkpoint:
+``metadata.json``, ``data/``, ...), ``save_dir/latest`` names the newest tag, written only after that
+checkpoint committed. The saved state (fqn prefixes)::
+
+    module.<param or buffer name>            low-precision (bf16) or fp32 model weights: whole tensors
+                                             (ZeRO-0/1/2) or ZeRO-3 partitions as flat-range shards
+    optimizer.fp32.<param name>              fp32 master weights, flat-range shards (ZeRO partitions)
+    optimizer.state.<key>.<param name>       optimizer state shaped like the master weights (exp_avg, ...)
+    optimizer.scalars                        per flat partition: the other optimizer state (Adam's step)
+    optimizer.param_groups                   hyperparameters of the base optimizer's param groups
+    lr_scheduler                             the LR scheduler's state dict
+    client_state                             the caller's client_state (tagged JSON)
+    deepspeed                                global_steps, global_samples, skipped_steps, layout info
+
+Because every partition is stored in the coordinates of the original parameters, a load reshards: the
+checkpoint loads on another data-parallel size (or ZeRO stage) without a conversion step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+from unickpt import codec
+from unickpt.engine import get_engine
+from unickpt.errors import StateMismatchError
+from unickpt.metadata import METADATA_FILE, read_metadata
+from unickpt.state import flatten, saved_leaves
+from unickpt.storage import Storage
+from unickpt.types import Shard
+
+from .engine import finish_all_pending
+from .zero_state import ZeroLayout, zero_layout
+
+__all__ = ["save_checkpoint", "load_checkpoint", "LATEST_FILE", "FORMAT"]
+
+log = logging.getLogger("unickpt.deepspeed")
+
+LATEST_FILE = "latest"
+FORMAT = "unickpt.deepspeed/1"
+
+
+# -- building the state ---------------------------------------------------------------------------
+def _module_state(engine: Any, layout: ZeroLayout, exclude_frozen: bool) -> dict:
+    out: dict[str, Any] = {}
+    for name, p in engine.module.named_parameters():
+        if exclude_frozen and not p.requires_grad:
+            continue
+        if layout.kind == "zero3":
+            t, start, numel = layout.lp_shards[name]
+            out[name] = Shard(t.view(-1).narrow(0, 0, numel), tuple(p.ds_shape), flat_range=(start, numel))
+        else:
+            out[name] = p.detach()
+    for mod_name, mod in engine.module.named_modules():
+        for b_name, b in mod.named_buffers(recurse=False):
+            if b is not None and b_name not in mod._non_persistent_buffers_set:
+                out[f"{mod_name}.{b_name}" if mod_name else b_name] = b.detach()
+    return out
+
+
+def _state_keys(layout: ZeroLayout) -> tuple[list[str], list[dict]]:
+    """Optimizer state keys shaped like the master weights, and the other (scalar) state per partition."""
+    keys: list[str] = []
+    scalars: list[dict] = []
+    for flat in layout.flat:
+        st = layout.base.state.get(flat, {})
+        other = {}
+        for k, v in st.items():
+            if torch.is_tensor(v) and v.shape == flat.shape and v.dim() > 0:
+                if k not in keys:
+                    keys.append(k)
+            else:
+                other[k] = v
+        scalars.append(other)
+    return keys, scalars
+
+
+def _optimizer_state(layout: ZeroLayout, state_keys: list[str], *, with_moments: bool) -> dict:
+    def shards(tensors: list[torch.Tensor]) -> dict:
+        return {f.name: Shard(layout.view(f, tensors[f.group]), f.shape, flat_range=(f.start, f.numel))
+                for f in layout.fragments}
+
+    out: dict[str, Any] = {"fp32": shards(layout.flat)}
+    if with_moments:
+        out["state"] = {k: shards([layout.base.state[flat][k] for flat in layout.flat]) for k in state_keys}
+    return out
+
+
+def _info(engine: Any) -> dict:
+    import deepspeed
+
+    return {"format": FORMAT, "global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
+            "skipped_steps": int(engine.skipped_steps), "zero_stage": int(engine.zero_optimization_stage()),
+            "dp_world_size": int(engine.seq_dp_world_size), "mp_world_size": int(engine.mp_world_size),
+            "bf16": bool(engine.bfloat16_enabled()), "ds_version": deepspeed.__version__}
+
+
+def _check_supported(engine: Any) -> None:
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    if isinstance(engine.module, PipelineModule):
+        raise NotImplementedError("unickpt.deepspeed: pipeline-parallel engines are not supported; remove the "
+                                  '"unickpt" block from the DeepSpeed config')
+    if engine.zero_nvme_offload_optimizer():
+        raise NotImplementedError("unickpt.deepspeed: NVMe optimizer offload is not supported")
+
+
+# -- save -----------------------------------------------------------------------------------------
+def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+    """``DeepSpeedEngine.save_checkpoint`` through unickpt (collective: every rank calls it).
+
+    Writes ``save_dir/<tag>/`` (``tag`` defaults to ``global_step<N>``) and, once it has committed,
+    ``save_dir/latest``. With ``async_save`` (the default) it returns once the state is copied to host
+    memory; the commit follows in the background. Saving to an existing committed tag replaces it (as
+    DeepSpeed does), after any pending save has finished.
+
+    Raises:
+        ValueError: empty ``save_dir``.
+        NotImplementedError: pipeline parallelism, NVMe offload, unknown optimizer wrappers.
+        SaveFailedError: a synchronous save failed on some rank (names every rank and why); an earlier
+            asynchronous save's failure is raised here too.
+        UnsafeObjectError: ``client_state`` holds a value only pickle can store and ``allow_pickle`` is off.
+    """
+    if not save_dir:
+        raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
+    ckpt = engine.checkpoint_engine
+    cfg = ckpt.config
+    _check_supported(engine)
+    ckpt._reap_done()
+    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+    engine._checkpoint_tag_validation(tag)
+    save_dir = os.fspath(save_dir)
+    storage = Storage(save_dir, cfg.storage_options or None)
+    path = storage.join(save_dir, tag)
+    uengine = get_engine(None)
+    if storage.exists(storage.join(path, METADATA_FILE)):  # DeepSpeed overwrites an existing tag
+        ckpt.finish_pending()
+        if uengine.rank == 0:
+            log.warning("unickpt.deepspeed: replacing the committed checkpoint %s (same tag)", path)
+            storage.rm(path)
+        torch.distributed.barrier()
+
+    if engine._optimizer_has_ckpt_event_prologue():
+        engine.optimizer.checkpoint_event_prologue()
+    layout = zero_layout(engine)
+    state_keys, scalars = _state_keys(layout)
+    state = {
+        "module": _module_state(engine, layout, exclude_frozen_parameters),
+        "optimizer": {
+            **_optimizer_state(layout, state_keys, with_moments=True),
+            "scalars": codec.encode(scalars, allow_pickle=False, key="optimizer.scalars"),
+            "param_groups": codec.encode([{k: v for k, v in g.items() if k != "params"}
+                                          for g in layout.base.param_groups], allow_pickle=False,
+                                         key="optimizer.param_groups"),
+        },
+        "client_state": codec.encode(dict(client_state or {}), allow_pickle=cfg.allow_pickle, key="client_state"),
+        "deepspeed": _info(engine),
+    }
+    if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict"):
+        state["lr_scheduler"] = engine.lr_scheduler
+
+    def write_latest() -> None:  # group rank 0, right after metadata.json landed
+        storage.write_atomic(storage.join(save_dir, LATEST_FILE), tag.encode())
+
+    try:
+        handle = uengine.save(path, state, async_save=cfg.async_save, storage_options=cfg.storage_options or None,
+                              step=int(engine.global_steps), framework="deepspeed",
+                              extra={"deepspeed_tag": tag}, on_commit=write_latest if save_latest else None,
+                              allow_pickle=cfg.allow_pickle)
+    finally:
+        if engine._optimizer_has_ckpt_event_epilogue():
+            engine.optimizer.checkpoint_event_epilogue()
+    ckpt.last_save = handle
+    if cfg.async_save:
+        ckpt.add_pending(handle, CheckpointCommitInfo(tag=tag, save_dir=save_dir, save_latest=save_latest))
+    return True
+
+
+# -- load -----------------------------------------------------------------------------------------
+def _read_latest(storage: Storage, load_dir: str) -> str | None:
+    try:
+        return storage.read_bytes(storage.join(load_dir, LATEST_FILE)).decode().strip()
+    except FileNotFoundError:
+        return None
+
+
+def _is_native_deepspeed(storage: Storage, path: str) -> bool:
+    try:
+        names = storage.listdir(path)
+    except (FileNotFoundError, OSError):
+        return False
+    return any(n.endswith("_model_states.pt") for n in names)
+
+
+def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
+    """``DeepSpeedEngine.load_checkpoint`` through unickpt (collective), resharding to this engine.
+
+    ``tag`` defaults to the content of ``load_dir/latest``; without it, logs a warning and returns
+    ``(None, None)`` like DeepSpeed. A tag directory holding a DeepSpeed-native checkpoint (no
+    ``metadata.json`` but ``*_model_states.pt``) is loaded by DeepSpeed's own code. Parameters, fp32
+    master weights and optimizer state are filled in place from the stored flat ranges, whatever the
+    data-parallel size or ZeRO stage at save time.
+
+    Returns:
+        ``(checkpoint path, client_state)``.
+
+    Raises:
+        CheckpointNotFoundError: no committed checkpoint at ``load_dir/<tag>``.
+        StateMismatchError: a parameter or optimizer state missing from the checkpoint (named), a dtype or
+            shape mismatch, or a different number of optimizer partitions / param groups.
+        NotImplementedError: ``custom_load_fn``, pipeline parallelism, NVMe offload.
+    """
+    ckpt = engine.checkpoint_engine
+    cfg = ckpt.config
+    if custom_load_fn is not None:
+        raise NotImplementedError("unickpt.deepspeed: load_checkpoint(custom_load_fn=...) is not supported")
+    _check_supported(engine)
+    finish_all_pending()  # a save still committing (from any engine in this process) may be the one to load
+    load_dir = os.fspath(load_dir)
+    storage = Storage(load_dir, cfg.storage_options or None)
+    if tag is None:
+        tag = _read_latest(storage, load_dir)
+        if tag is None:
+            log.warning("unickpt.deepspeed: no %r file in %s; pass tag= to load a specific checkpoint",
+                        LATEST_FILE, load_dir)
+            return None, None
+    tag = str(tag)
+    path = storage.join(load_dir, tag)
+    if not storage.exists(storage.join(path, METADATA_FILE)) and _is_native_deepspeed(storage, path):
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        log.info("unickpt.deepspeed: %s is a DeepSpeed-native checkpoint; loading it with DeepSpeed", path)
+        original = DeepSpeedEngine.load_checkpoint.__unickpt_original__
+        return original(engine, load_dir, tag=tag, load_module_strict=load_module_strict,
+                        load_optimizer_states=load_optimizer_states,
+                        load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+    meta = read_metadata(storage, path)  # CheckpointNotFoundError when uncommitted or absent
+    if engine._optimizer_has_ckpt_event_prologue():
+        engine.optimizer.checkpoint_event_prologue()
+    layout = zero_layout(engine)
+    saved_tensors = set(meta.tensors) | set(meta.aliases)
+    _, _, saved_objects = saved_leaves(meta.state_tree)
+    with_moments = load_optimizer_states and not load_module_only
+    prefix = "optimizer.state."
+    state_keys = sorted({f[len(prefix):].split(".", 1)[0] for f in saved_tensors if f.startswith(prefix)})
+    if with_moments:
+        for key in state_keys:
+            for flat in layout.flat:
+                st = layout.base.state[flat]
+                if key not in st:
+                    st[key] = torch.zeros_like(flat)
+    module = _module_state(engine, layout, exclude_frozen=False)
+    if not load_module_strict:
+        module = {n: t for n, t in module.items() if f"module.{n}" in saved_tensors}
+    state: dict[str, Any] = {"module": module, "optimizer": _optimizer_state(layout, state_keys, with_moments=with_moments)}
+    if with_moments:
+        state["optimizer"]["scalars"] = None
+        state["optimizer"]["param_groups"] = None
+    state["client_state"] = None
+    state["deepspeed"] = None
+    restore_sched = (load_lr_scheduler_states and not load_module_only and engine.lr_scheduler is not None
+                     and hasattr(engine.lr_scheduler, "load_state_dict"))
+    if restore_sched and not any(f == "lr_scheduler" or f.startswith("lr_scheduler.") for f in saved_objects):
+        log.warning("unickpt.deepspeed: %s has no LR scheduler state; the engine's scheduler is left as it is", path)
+        restore_sched = False
+    if restore_sched:
+        state["lr_scheduler"] = engine.lr_scheduler
+
+    flat = flatten(state, for_load=True)
+    missing = sorted(set(flat.tensors) - saved_tensors) + sorted(
+        f for f in flat.objects if f not in saved_objects and not f.startswith("lr_scheduler"))
+    unexpected = sorted(f for f in saved_tensors if f.startswith("module.") and f not in flat.tensors)
+    if missing or (load_module_strict and unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {missing[:20]}" + (f" ({len(missing)} in all)" if len(missing) > 20 else ""))
+        if load_module_strict and unexpected:
+            parts.append(f"model weights in the checkpoint but not in the model: {unexpected[:20]}")
+        raise StateMismatchError(f"{path!r}: the DeepSpeed engine and the checkpoint differ; " + "; ".join(parts))
+
+    try:
+        ckpt.last_load_stats = get_engine(None).load(path, state, strict=False,
+                                                     storage_options=cfg.storage_options or None,
+                                                     allow_pickle=cfg.allow_pickle, verify=cfg.verify)
+        info = state["deepspeed"]
+        if with_moments:
+            _restore_optimizer_scalars(layout, path, state["optimizer"]["scalars"], state["optimizer"]["param_groups"])
+        if not load_module_only:
+            engine.global_steps = int(info["global_steps"])
+            engine.global_samples = int(info["global_samples"])
+            engine.skipped_steps = int(info["skipped_steps"])
+        engine.loaded_checkpoint_dp_world_size = int(info["dp_world_size"])
+        engine.loaded_checkpoint_mp_world_size = int(info["mp_world_size"])
+    finally:
+        if engine._optimizer_has_ckpt_event_epilogue():
+            engine.optimizer.checkpoint_event_epilogue()
+    client_state = codec.decode(state["client_state"], allow_pickle=cfg.allow_pickle, key="client_state")
+    return path, client_state
+
+
+def _restore_optimizer_scalars(layout: ZeroLayout, path: str, scalars_enc: Any, groups_enc: Any) -> None:
+    scalars = codec.decode(scalars_enc, key="optimizer.scalars")
+    groups = codec.decode(groups_enc, key="optimizer.param_groups")
+    if len(scalars) != len(layout.flat):
+        raise StateMismatchError(f"{path!r}: 'optimizer.scalars': the checkpoint has {len(scalars)} optimizer "
+                                 f"partitions, this engine has {len(layout.flat)} (a different parameter grouping)")
+    if len(groups) != len(layout.base.param_groups):
+        raise StateMismatchError(f"{path!r}: 'optimizer.param_groups': the checkpoint has {len(groups)} param "
+                                 f"groups, this optimizer has {len(layout.base.param_groups)}")
+    for flat, values in zip(layout.flat, scalars):
+        layout.base.state[flat].update(values)
+    for group, saved in zip(layout.base.param_groups, groups):
+        for k, v in saved.items():
+            group[k] = v

@@ -1,0 +1,161 @@
+"""``UnickptCheckpointEngine``: the DeepSpeed ``CheckpointEngine`` selected by the ``"unickpt"`` block.
+
+DeepSpeed's own ``save_checkpoint`` hands a checkpoint engine one ``(state_dict, path)`` pair per file,
+which cannot be resharded. With this engine selected, :mod:`unickpt.deepspeed._activate` routes
+``engine.save_checkpoint`` / ``load_checkpoint`` to :mod:`unickpt.deepspeed.checkpoint` instead, which
+saves the whole training state as one unickpt checkpoint. This class keeps what belongs to a
+checkpoint engine:
+
+- the pending asynchronous saves and the decoupled-engine contract (deepspeed 0.19.8,
+  ``runtime/checkpoint_engine/checkpoint_engine.py``): ``is_decoupled()`` is True for async saves, so
+  DeepSpeed calls :meth:`get_commit_info` at every optimizer-step boundary (``engine.py:3612``); there a
+  finished save's error is raised. The commit itself (``metadata.json``, then ``latest``) happens in
+  unickpt's background thread as soon as every rank's bytes are durable, so it never waits for a step.
+- the per-file ``save`` / ``load`` DeepSpeed still uses outside ``save_checkpoint`` (for example
+  ``save_16bit_model``): plain ``torch.save`` / ``torch.load``, as DeepSpeed's TorchCheckpointEngine.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import weakref
+from typing import Any
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+
+from .config import UnickptConfig
+
+__all__ = ["UnickptCheckpointEngine", "finish_all_pending"]
+
+log = logging.getLogger("unickpt.deepspeed")
+
+_LIVE: "weakref.WeakSet[UnickptCheckpointEngine]" = weakref.WeakSet()
+
+
+class UnickptCheckpointEngine(CheckpointEngine):
+    """Checkpoint engine of DeepSpeed engines whose config has ``"unickpt": {"enabled": true}``.
+
+    Args:
+        config_params: the engine's ``DeepSpeedConfig``.
+        config: the parsed ``"unickpt"`` block.
+        has_moe_layers: from DeepSpeed's factory; MoE models are not supported.
+
+    Raises:
+        NotImplementedError: fp16 training (dynamic loss scaling is not saved) or MoE layers: remove the
+            ``"unickpt"`` block to use DeepSpeed's own checkpoints for these.
+    """
+
+    is_unickpt = True
+
+    def __init__(self, config_params: Any = None, config: UnickptConfig | None = None, *, has_moe_layers: bool = False):
+        super().__init__(config_params)
+        self.name = "UnickptCheckpointEngine"
+        self.config = config or UnickptConfig(enabled=True)
+        if config_params is not None and getattr(config_params, "fp16_enabled", False):
+            raise NotImplementedError('DeepSpeed config "unickpt": fp16 training is not supported (its loss-scaler '
+                                      'state is not saved); use bf16 or fp32, or remove the "unickpt" block')
+        if has_moe_layers:
+            raise NotImplementedError('DeepSpeed config "unickpt": models with MoE layers are not supported; '
+                                      'remove the "unickpt" block to use DeepSpeed\'s checkpoints')
+        self._pending: list[tuple[Any, CheckpointCommitInfo]] = []  # (SaveHandle, info), oldest first
+        self.last_save: Any = None  # the SaveHandle of the latest save_checkpoint (``.stats.stall_s``, ...)
+        self.last_load_stats: Any = None  # this rank's LoadStats of the latest load_checkpoint
+        _LIVE.add(self)
+
+    # -- unickpt saves --------------------------------------------------------------------------
+    def add_pending(self, handle: Any, info: CheckpointCommitInfo) -> None:
+        """Track an asynchronous save until it is known to have committed or failed."""
+        self._pending.append((handle, info))
+
+    def finish_pending(self) -> None:
+        """Block until every pending save has committed; raise the first failure (SaveFailedError)."""
+        pending, self._pending = self._pending, []
+        first_error = None
+        for handle, _ in pending:
+            try:
+                handle.wait()
+            except BaseException as e:  # noqa: BLE001 - every handle is waited for, the first error raised
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+
+    def _reap_done(self) -> None:
+        """Drop saves that have finished; raise the first one that failed."""
+        keep = []
+        error = None
+        for handle, info in self._pending:
+            if not handle.done():
+                keep.append((handle, info))
+                continue
+            try:
+                handle.wait()
+            except BaseException as e:  # noqa: BLE001
+                error = error or e
+        self._pending = keep
+        if error is not None:
+            raise error
+
+    # -- DeepSpeed's CheckpointEngine interface -----------------------------------------------------
+    def is_decoupled(self) -> bool:
+        """True for async saves: DeepSpeed then calls :meth:`get_commit_info` at each step boundary."""
+        return self.config.async_save
+
+    def get_commit_info(self) -> None:
+        """Called by DeepSpeed at each optimizer-step boundary: raise the error of a finished failed save.
+
+        Returns None always: unickpt commits in its background thread (``metadata.json`` by group rank
+        0 once every rank's bytes are durable, then ``latest``), so DeepSpeed has nothing left to commit
+        and no barrier is needed.
+        """
+        self._reap_done()
+        return None
+
+    def set_commit_info(self, info: CheckpointCommitInfo) -> None:
+        pass
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        pass
+
+    def save(self, state_dict: Any, path: str) -> None:
+        """Per-file save for DeepSpeed paths other than ``save_checkpoint`` (``torch.save``)."""
+        torch.save(state_dict, path)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """Per-file load for DeepSpeed paths other than ``load_checkpoint`` (``torch.load``, as DeepSpeed)."""
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        """Per-file saves are complete when ``save`` returns; unickpt saves commit themselves."""
+        return True
+
+    def cleanup(self) -> None:
+        """Called by ``engine.destroy()``: wait for pending saves to commit (raises their error)."""
+        self.finish_pending()
+
+    def preserves_storage_sharing(self) -> bool:
+        return True
+
+
+def finish_all_pending() -> None:
+    """Wait for the pending saves of every unickpt DeepSpeed engine in this process; raise the first error."""
+    first = None
+    for engine in list(_LIVE):
+        try:
+            engine.finish_pending()
+        except BaseException as e:  # noqa: BLE001 - wait for all, raise the first
+            first = first or e
+    if first is not None:
+        raise first
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    # A script that ends right after an async save_checkpoint would otherwise lose that save.
+    # This needs the default process group alive (call engine.destroy() before destroying it).
+    for engine in list(_LIVE):
+        if engine._pending:
+            try:
+                engine.finish_pending()
+            except BaseException as e:  # noqa: BLE001 - at exit, report and go on
+                log.error("unickpt: an asynchronous DeepSpeed checkpoint did not commit: %s", e)
