@@ -1,0 +1,400 @@
+"""Megatron-core sharded state -> unickpt canonical state (and back).
+
+A megatron-core ``sharded_state_dict`` (after ``dist_checkpointing`` has applied its
+``ShardedTensorFactory`` build functions and dropped ``LocalNonpersistentObject``) holds:
+
+- ``ShardedTensor``: a local tensor, the global shape, its ``global_offset`` (elements per dim),
+  ``prepend_axis_num`` leading global axes of length 1 the local tensor lacks (the layer index of
+  the stacked ``decoder.layers.*`` keys, the expert index), ``replica_id`` and, in megatron-core
+  < 0.16, an optional ``flattened_range`` (the distributed optimizer's slice of the row-major
+  flattened local box). One rank may hold several shards of one key (one per local layer; the
+  two halves of a SwiGLU ``linear_fc1`` that its factory splits).
+- ``ShardedObject``: any value, identified by its ``unique_key``
+  (``"{key}/shard_{offsets}_{global shape}"``), written by its main replica (``replica_id`` 0).
+
+unickpt holds one shard per rank and fqn, so a ShardedTensor key maps to one or more fqns:
+
+- the prepended axes become part of the fqn: ``decoder.layers.mlp.linear_fc1.weight[1]`` is layer 1
+  (its global index, so PP changes keep the name), a tensor of the remaining axes;
+- when some rank holds ``k`` shards of a key along one axis (SwiGLU: ``k = 2`` at every TP size),
+  the key's global tensor is stored as ``k`` equal slabs of that axis, ``KEY#0/2`` and ``KEY#1/2``
+  (agreed by all ranks at save time and recorded in ``metadata.json`` ``extra.megatron.keys``);
+- a shard is a box (:class:`unickpt.Shard` ``offsets=``); a flattened shard is a flat range of
+  the fqn's row-major tensor when its slice is one contiguous global range (the box is split only
+  along its leading non-singleton dim, or the slice stays within one row), otherwise a save fails
+  naming the key, and a load reads the whole local box and copies the slice out;
+- a ShardedObject becomes a ``uint8`` tensor under ``OBJECT_PREFIX + unique_key`` holding the value
+  as unickpt tagged JSON (:mod:`unickpt.codec`; no pickle unless ``allow_pickle``), in the state of
+  the rank holding its main replica only.
+
+Replicas of a ShardedTensor (same key and box, ``replica_id != 0``: DP copies, TP-replicated
+layernorms, the output layer tied to the embedding): by default only the main replica is handed to
+the engine, megatron's rule (``FullyParallelSaveStrategyWrapper`` spreads the main replicas over the
+DP group). With ``balance_replicas=True`` every replica is handed over and unickpt's planner writes
+each box once, from the least loaded holder: fully parallel without megatron's exchange of replica
+ids, for states whose replicas are bitwise identical (megatron keeps DP and TP replicas so).
+
+Loading cuts every requested shard the same way, using the split recorded at save time; a rank that
+needs several pieces of one fqn loads them in successive rounds (one collective ``unickpt.load`` each).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from unickpt import Shard, codec
+
+__all__ = ["OBJECT_PREFIX", "KeyInfo", "SavePrep", "LoadTarget", "prepare_save", "agree_layout", "build_save_state",
+           "to_load_targets", "is_main_replica", "global_flat_range", "encode_object", "decode_object",
+           "stored_object_sizes"]
+
+OBJECT_PREFIX = "megatron_sharded_objects/"
+"""unickpt fqn prefix of ShardedObjects (followed by the object's ``unique_key``)."""
+
+
+def is_main_replica(replica_id: Any) -> bool:
+    """Megatron's rule: the main replica has ``replica_id`` 0, or a tuple of zeros."""
+    if isinstance(replica_id, int):
+        return replica_id == 0
+    return all(r == 0 for r in replica_id)
+
+
+def global_flat_range(global_shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...],
+                      start: int, stop: int) -> tuple[int, int] | None:
+    """Map ``[start, stop)`` of a box's row-major flattened elements to the global tensor.
+
+    Args:
+        global_shape: the global tensor's shape.
+        offsets, lengths: the box (elements per dim).
+        start, stop: a slice of the box's ``prod(lengths)`` row-major elements.
+
+    Returns:
+        ``(global start, length)`` when those elements are one contiguous range of the row-major
+        flattened global tensor, else None. The map from box order to global order is strictly
+        increasing, so the elements are contiguous exactly when the global distance between the
+        first and the last equals ``stop - 1 - start``.
+    """
+    if stop <= start:
+        return (0, 0)
+
+    def to_global(i: int) -> int:
+        idx = []
+        for n in reversed(lengths):
+            idx.append(i % n)
+            i //= n
+        flat = 0
+        for o, k, n in zip(offsets, reversed(idx), global_shape):
+            flat = flat * n + o + k
+        return flat
+
+    first, last = to_global(start), to_global(stop - 1)
+    return (first, stop - start) if last - first == stop - 1 - start else None
+
+
+def encode_object(value: Any, key: str, allow_pickle: bool) -> torch.Tensor:
+    """A ShardedObject's value as a 1-D ``uint8`` tensor of UTF-8 tagged JSON (:mod:`unickpt.codec`).
+
+    Raises UnsafeObjectError (naming ``key``) for a value only pickle can store and ``allow_pickle`` off.
+    """
+    text = json.dumps(codec.encode(value, allow_pickle=allow_pickle, key=key), separators=(",", ":"))
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+
+
+def decode_object(buf: torch.Tensor, key: str, allow_pickle: bool) -> Any:
+    """Inverse of :func:`encode_object`. Raises UnsafeObjectError for a pickle and ``allow_pickle`` off."""
+    return codec.decode(json.loads(bytes(buf.numpy()).decode()), allow_pickle=allow_pickle, key=key)
+
+
+
+
+@dataclass
+class KeyInfo:
+    """How one ShardedTensor key is stored: its megatron global ``shape`` and ``dtype`` name, the number
+    of ``prepend`` axes (named in the fqn) and the slab ``split`` ``(axis, k)`` of the remaining axes, if any."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    prepend: int
+    split: tuple[int, int] | None = None
+
+    def to_json(self) -> dict:
+        return {"shape": list(self.shape), "dtype": self.dtype, "prepend": self.prepend,
+                "split": list(self.split) if self.split else None}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "KeyInfo":
+        return cls(tuple(d["shape"]), d["dtype"], int(d["prepend"]), tuple(d["split"]) if d.get("split") else None)
+
+
+def base_fqn(key: str, global_offset: tuple, prepend: int) -> str:
+    """``key``, or ``key[i,j]`` with the offsets along the prepended axes (global layer / expert index)."""
+    if prepend == 0:
+        return key
+    return f"{key}[{','.join(str(int(o)) for o in global_offset[:prepend])}]"
+
+
+@dataclass
+class _Entry:
+    sh: Any
+    base: str
+    shape: tuple[int, ...]  # global shape without the prepended axes
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    flat: tuple[int, int] | None  # flattened_range (start, stop) of the box, or None
+
+
+def _entry(sh: Any) -> _Entry:
+    n = sh.prepend_axis_num
+    fr = getattr(sh, "flattened_range", None)
+    return _Entry(sh, base_fqn(sh.key, tuple(sh.global_offset), n), tuple(int(x) for x in sh.global_shape[n:]),
+                  tuple(int(x) for x in sh.global_offset[n:]), tuple(int(x) for x in sh.local_shape),
+                  None if fr is None else (int(fr.start or 0), int(fr.stop)))
+
+
+def _duplicates(entries: list[_Entry], errors: list[str]) -> dict[str, tuple[int, int]]:
+    """key -> (axis, k) for keys of which this rank holds k > 1 distinct boxes of one fqn along one axis."""
+    by_base: dict[str, list[_Entry]] = {}
+    for e in entries:
+        by_base.setdefault(e.base, []).append(e)
+    out: dict[str, tuple[int, int]] = {}
+    for base, es in by_base.items():
+        boxes = {(e.offsets, e.lengths) for e in es}
+        if len(boxes) < 2:
+            continue
+        key = es[0].sh.key
+        axes = {d for (o1, l1) in boxes for (o2, l2) in boxes for d in range(len(o1)) if (o1[d], l1[d]) != (o2[d], l2[d])}
+        if len(axes) != 1 or any(e.flat is not None for e in es):
+            errors.append(f"ShardedTensor {key!r}: this rank holds {len(boxes)} shards of {base!r} that differ "
+                          f"along axes {sorted(axes)}{' and are flattened' if any(e.flat for e in es) else ''}; "
+                          "unickpt stores several shards of one key per rank only along one axis")
+            continue
+        split = (axes.pop(), len(boxes))
+        if out.setdefault(key, split) != split:
+            errors.append(f"ShardedTensor {key!r}: shards split along {out[key]} and {split} on this rank")
+    return out
+
+
+@dataclass
+class SavePrep:
+    """One rank's part of a save before the ranks agree: entries, objects, key infos, splits, errors."""
+
+    entries: list = field(default_factory=list)
+    objects: dict = field(default_factory=dict)
+    infos: dict[str, dict] = field(default_factory=dict)
+    splits: dict[str, tuple[int, int]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+def _values(sharded_state_dict: Any) -> list:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    return list(nested_values(sharded_state_dict))
+
+
+def prepare_save(sharded_state_dict: Any, *, allow_pickle: bool = False, balance_replicas: bool = False) -> SavePrep:
+    """First step of a save on one rank (no communication). Problems are collected in ``errors`` (one
+    line per key) instead of raised, so that every rank can fail together. Plain (non-sharded)
+    values are ignored: megatron's common strategy saves them in ``common.pt``."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    from unickpt.codec import dtype_to_str
+
+    out = SavePrep()
+    for sh in _values(sharded_state_dict):
+        if isinstance(sh, ShardedTensor):
+            if sh.key.startswith(OBJECT_PREFIX):
+                out.errors.append(f"ShardedTensor key {sh.key!r} uses the prefix {OBJECT_PREFIX!r} reserved for ShardedObjects")
+                continue
+            info = KeyInfo(tuple(int(n) for n in sh.global_shape), dtype_to_str(sh.dtype), sh.prepend_axis_num).to_json()
+            if out.infos.setdefault(sh.key, info) != info:
+                out.errors.append(f"ShardedTensor {sh.key!r}: shards disagree on global shape / dtype / prepended "
+                                  f"axes: {out.infos[sh.key]} and {info}")
+            if not balance_replicas and not is_main_replica(sh.replica_id):
+                continue
+            if sh.data is None:
+                out.errors.append(f"ShardedTensor {sh.key!r} has no data to save")
+                continue
+            e = _entry(sh)
+            want = e.lengths if e.flat is None else (e.flat[1] - e.flat[0],)
+            have = tuple(sh.data.shape) if e.flat is None else (sh.data.numel(),)
+            if have != want:
+                out.errors.append(f"ShardedTensor {sh.key!r}: data shape {list(sh.data.shape)} does not fit local_shape "
+                                  f"{list(sh.local_shape)} / flattened_range {e.flat}")
+                continue
+            if e.flat is not None and global_flat_range(e.shape, e.offsets, e.lengths, *e.flat) is None:
+                out.errors.append(_noncontiguous(e, e.shape, e.offsets, e.lengths))
+                continue
+            out.entries.append(e)
+        elif isinstance(sh, ShardedObject):
+            if not is_main_replica(sh.replica_id):
+                continue
+            fqn = OBJECT_PREFIX + sh.unique_key
+            try:
+                out.objects[fqn] = encode_object(sh.data, fqn, allow_pickle)
+            except Exception as e:  # UnsafeObjectError or an encoding failure: name the key
+                out.errors.append(f"ShardedObject {sh.unique_key!r}: {type(e).__name__}: {e}")
+        else:
+            out.errors.append(f"unsupported sharded entry {type(sh).__name__} (key {getattr(sh, 'key', '?')!r}); "
+                              "apply ShardedTensorFactory build functions first (dist_checkpointing.save does)")
+    out.splits = _duplicates(out.entries, out.errors)
+    return out
+
+
+def agree_layout(preps: list[tuple[dict, dict, list]]) -> tuple[dict[str, KeyInfo], dict[int, list[str]]]:
+    """Merge every rank's ``(infos, splits, errors)`` into the key infos all ranks use (the same on
+    every rank) and the problems by rank."""
+    infos: dict[str, dict] = {}
+    errors: dict[int, list[str]] = {r: list(errs) for r, (_, _, errs) in enumerate(preps) if errs}
+    splits: dict[str, tuple[int, int]] = {}
+    for r, (inf, spl, _) in enumerate(preps):
+        for key, d in inf.items():
+            if infos.setdefault(key, d) != d:
+                errors.setdefault(r, []).append(f"ShardedTensor {key!r} is {d}, another rank has {infos[key]}")
+        for key, sp in spl.items():
+            if splits.setdefault(key, tuple(sp)) != tuple(sp):
+                errors.setdefault(r, []).append(f"ShardedTensor {key!r} split {tuple(sp)}, another rank {splits[key]}")
+    out = {}
+    for key, d in infos.items():
+        info = KeyInfo.from_json(d)
+        if key in splits:
+            info.split = splits[key]
+            axis, k = info.split
+            if info.shape[info.prepend + axis] % k:
+                errors.setdefault(0, []).append(f"ShardedTensor {key!r}: axis {axis} of size "
+                                                f"{info.shape[info.prepend + axis]} does not split into {k} equal slabs")
+        out[key] = info
+    return out, errors
+
+
+def _pieces(e: _Entry, info: KeyInfo) -> list[tuple[str, tuple, tuple, tuple, int, int, int]]:
+    """The fqn pieces of a box: ``(fqn, piece global shape, offsets, lengths, axis, lo, hi)`` where
+    ``[lo, hi)`` along ``axis`` (-1: whole) is the part of the local box the piece takes.
+    Raises ValueError when the split does not divide the axis."""
+    if info.split is None:
+        return [(e.base, e.shape, e.offsets, e.lengths, -1, 0, 0)]
+    d, k = info.split
+    if e.shape[d] % k:
+        raise ValueError(f"ShardedTensor {e.sh.key!r}: axis {d} of size {e.shape[d]} does not split into {k} equal slabs")
+    size = e.shape[d] // k
+    out = []
+    o, n = e.offsets[d], e.lengths[d]
+    for i in range(o // size, -(-(o + n) // size) if n else o // size + 1):
+        lo, hi = max(o, i * size), min(o + n, (i + 1) * size)
+        if hi <= lo and n:
+            continue
+        shape = e.shape[:d] + (size,) + e.shape[d + 1:]
+        offs = e.offsets[:d] + (lo - i * size,) + e.offsets[d + 1:]
+        lens = e.lengths[:d] + (hi - lo,) + e.lengths[d + 1:]
+        out.append((f"{e.base}#{i}/{k}", shape, offs, lens, d, lo - o, hi - o))
+    return out
+
+
+def _noncontiguous(e: _Entry, shape: tuple, offs: tuple, lens: tuple) -> str:
+    return (f"ShardedTensor {e.sh.key!r}: flattened_range [{e.flat[0]}, {e.flat[1]}) of the local box offsets "
+            f"{list(offs)} lengths {list(lens)} is not one contiguous range of the global tensor {list(shape)}; "
+            "unickpt stores one box or one flat range per rank and fqn (use the distributed optimizer's "
+            "'dp_reshardable' or 'fully_reshardable' sharding type)")
+
+
+def _shard(e: _Entry, data: torch.Tensor, piece: tuple, replica: int) -> Shard:
+    fqn, shape, offs, lens, d, lo, hi = piece
+    if e.flat is not None:
+        rng = global_flat_range(shape, offs, lens, *e.flat)
+        if rng is None:
+            raise ValueError(_noncontiguous(e, shape, offs, lens))
+        return Shard(data.reshape(-1), shape, flat_range=rng, replica_id=replica)
+    view = data if d < 0 else data.narrow(d, lo, hi - lo)
+    return Shard(view, shape, offsets=offs, replica_id=replica)
+
+
+def build_save_state(prep: SavePrep, infos: dict[str, KeyInfo]) -> tuple[dict, list[str]]:
+    """The unickpt state of one rank from its :class:`SavePrep` and the agreed key infos; ``errors``."""
+    state: dict = dict(prep.objects)
+    errors: list[str] = []
+    for e in prep.entries:
+        try:
+            for piece in _pieces(e, infos[e.sh.key]):
+                if piece[0] in state:
+                    continue  # the same box twice on this rank (identical shards): stored once
+                state[piece[0]] = _shard(e, e.sh.data, piece, 0 if is_main_replica(e.sh.replica_id) else 1)
+        except ValueError as err:
+            errors.append(str(err))
+    return state, errors
+
+
+@dataclass
+class LoadTarget:
+    """One rank's load request.
+
+    ``rounds``: unickpt states loaded one after the other (a rank needing several pieces of one fqn
+    takes them in successive rounds); ``objects``: ShardedObject unique key -> ShardedObject;
+    ``after``: copies to run after the load (flattened slices of boxes read whole, repeated keys);
+    ``errors``: mismatches with the checkpoint, one line each.
+    """
+
+    rounds: list[dict] = field(default_factory=list)
+    objects: dict[str, Any] = field(default_factory=dict)
+    after: list[Callable[[], None]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def to_load_targets(sharded_state_dict: Any, infos: dict[str, KeyInfo], object_sizes: dict[str, int]) -> LoadTarget:
+    """Build the unickpt states that load ``sharded_state_dict`` in place from a checkpoint whose keys
+    are described by ``infos`` (see :func:`agree_layout`). ShardedTensors without data get a CPU
+    tensor. Requested objects missing from ``object_sizes`` are left out (the caller's policy)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    from unickpt.codec import dtype_to_str
+
+    out = LoadTarget()
+
+    def put(fqn: str, leaf: Any) -> None:
+        for r in out.rounds:
+            if fqn not in r:
+                r[fqn] = leaf
+                return
+        out.rounds.append({fqn: leaf})
+
+    for sh in _values(sharded_state_dict):
+        if isinstance(sh, ShardedTensor):
+            if sh.data is None:
+                sh.init_data("cpu")
+            info = infos.get(sh.key)
+            want = (tuple(int(n) for n in sh.global_shape), dtype_to_str(sh.data.dtype), sh.prepend_axis_num)
+            if info is None:
+                out.errors.append(f"ShardedTensor {sh.key!r} is not in the checkpoint")
+                continue
+            if (info.shape, info.dtype, info.prepend) != want:
+                out.errors.append(f"ShardedTensor {sh.key!r}: checkpoint has shape {list(info.shape)} dtype {info.dtype} "
+                                  f"prepended axes {info.prepend}, the state has shape {list(want[0])} dtype {want[1]} "
+                                  f"prepended axes {want[2]}")
+                continue
+            e = _entry(sh)
+            data = sh.data
+            try:
+                pieces = _pieces(e, info)
+                if e.flat is not None and (len(pieces) > 1 or global_flat_range(*pieces[0][1:4], *e.flat) is None):
+                    box = torch.empty(e.lengths, dtype=sh.data.dtype)  # read the whole box, copy the slice out
+                    out.after.append(lambda b=box, t=sh.data, a=e.flat[0], z=e.flat[1]: t.view(-1).copy_(b.view(-1)[a:z]))
+                    e = _Entry(sh, e.base, e.shape, e.offsets, e.lengths, None)
+                    data = box
+                for piece in pieces:
+                    put(piece[0], _shard(e, data, piece, 0))
+            except ValueError as err:
+                out.errors.append(str(err))
+        elif isinstance(sh, ShardedObject):
+            out.objects[sh.unique_key] = sh
+            n = object_sizes.get(sh.unique_key)
+            if n is not None:
+                put(OBJECT_PREFIX + sh.unique_key, torch.empty(n, dtype=torch.uint8))
+    return out
+
+
+def stored_object_sizes(tensor_meta: dict) -> dict[str, int]:
+    """unique key -> byte length of every ShardedObject in a checkpoint's ``tensors`` metadata."""
+    return {fqn[len(OBJECT_PREFIX):]: math.prod(tm.shape) for fqn, tm in tensor_meta.items()
+            if fqn.startswith(OBJECT_PREFIX)}
