@@ -1,0 +1,164 @@
+"""Where a Lightning checkpoint lives on storage.
+
+Lightning names checkpoints by path (``.../epoch=3-step=400.ckpt``, ``last.ckpt``) and overwrites
+``last.ckpt`` in place. A unickpt checkpoint is a directory that is never modified after its
+commit. The two meet like this, for a Lightning path ``P``::
+
+    P                          the pointer: a small JSON file, written atomically after the commit
+    P.unickpt/step_<v>/        the unickpt checkpoints (versions) of P; the pointer names one
+
+The pointer is ``{"format": "unickpt-lightning", "format_version": 1, "checkpoint":
+"<name>.unickpt/step_<v>", "route": "io" | "sharded", "global_step": int, "tensors_from": null |
+"<other name>.unickpt/step_<u>"}``; the paths are relative to the directory holding ``P``, so a
+checkpoint directory can be moved or copied as a whole. ``tensors_from`` marks a *link*: a save
+whose tensors were identical to an earlier save of a sibling path (``save_last`` after a top-k
+save) stores only its non-tensor state and reads its tensors from there.
+
+Overwriting ``P`` writes version ``v + 1``, commits it, replaces the pointer, then deletes the
+older versions: a crash at any point leaves ``P`` naming a committed checkpoint. Because ``P`` is
+a plain file, Lightning's fsspec checks (``exists``, ``ls``, ``modified``: ``ModelCheckpoint``'s
+version counter and ``ckpt_path="last"``) work unchanged on local disks and object stores.
+"""
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+from dataclasses import dataclass
+from unickpt.storage import Storage
+
+__all__ = ["Pointer", "data_root", "version_dir", "relative", "resolve", "read_pointer", "write_pointer", "is_pointer",
+           "versions", "siblings_linking_to", "POINTER_FORMAT"]
+
+POINTER_FORMAT = "unickpt-lightning"
+POINTER_VERSION = 1
+DATA_SUFFIX = ".unickpt"
+_VERSION_DIR = re.compile(r"^step_(\d+)$")
+_MAX_POINTER_BYTES = 1 << 16
+
+
+@dataclass
+class Pointer:
+    """The contents of a pointer file (see the module docstring)."""
+
+    checkpoint: str  # relative to the pointer's directory
+    route: str = "io"
+    global_step: int | None = None
+    tensors_from: str | None = None
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"format": POINTER_FORMAT, "format_version": POINTER_VERSION, "checkpoint": self.checkpoint,
+                           "route": self.route, "global_step": self.global_step,
+                           "tensors_from": self.tensors_from}, indent=1).encode()
+
+
+def _parent(path: str) -> str:
+    return posixpath.dirname(path.rstrip("/"))
+
+
+def _name(path: str) -> str:
+    return posixpath.basename(path.rstrip("/"))
+
+
+def data_root(path: str) -> str:
+    """``P.unickpt``: the directory holding the versions of Lightning path ``P``."""
+    return path.rstrip("/") + DATA_SUFFIX
+
+
+def version_dir(path: str, version: int) -> str:
+    """``P.unickpt/step_<version>``."""
+    return f"{data_root(path)}/step_{int(version)}"
+
+
+def relative(path: str, target: str) -> str:
+    """``target`` relative to the directory of pointer ``path`` (both in the same directory tree)."""
+    parent = _parent(path)
+    if parent and target.startswith(parent + "/"):
+        return target[len(parent) + 1:]
+    return target
+
+
+def resolve(path: str, rel: str) -> str:
+    """Inverse of :func:`relative`."""
+    if "://" in rel or rel.startswith("/"):
+        return rel
+    parent = _parent(path)
+    return f"{parent}/{rel}" if parent else rel
+
+
+def read_pointer(storage: Storage, path: str) -> Pointer:
+    """Parse the pointer file ``path``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: ``path`` is not a unickpt-lightning pointer (e.g. a ``torch.save`` ``.ckpt`` or a
+            Lightning sharded directory), naming the path and what was found.
+    """
+    if storage.isdir(path):
+        raise ValueError(f"{path!r} is a directory, not a unickpt-lightning checkpoint pointer (a Lightning sharded "
+                         "checkpoint written without unickpt? load it without UnickptCheckpointIO)")
+    if storage.size(path) > _MAX_POINTER_BYTES:
+        raise ValueError(f"{path!r} is not a unickpt-lightning checkpoint pointer ({storage.size(path)} bytes; "
+                         "a torch.save checkpoint? load it without UnickptCheckpointIO)")
+    raw = storage.read_bytes(path)
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        doc = None
+    if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
+        raise ValueError(f"{path!r} is not a unickpt-lightning checkpoint pointer (expected a JSON file with "
+                         f"format={POINTER_FORMAT!r}; a torch.save checkpoint? load it without UnickptCheckpointIO)")
+    if doc.get("format_version") != POINTER_VERSION:
+        raise ValueError(f"{path!r}: pointer format_version {doc.get('format_version')!r}, this release reads "
+                         f"{POINTER_VERSION}")
+    return Pointer(checkpoint=doc["checkpoint"], route=doc.get("route", "io"), global_step=doc.get("global_step"),
+                   tensors_from=doc.get("tensors_from"))
+
+
+def is_pointer(storage: Storage, path: str) -> bool:
+    """Whether ``path`` is a readable unickpt-lightning pointer file."""
+    try:
+        read_pointer(storage, path)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def write_pointer(storage: Storage, path: str, pointer: Pointer) -> None:
+    """Atomically make ``path`` name ``pointer`` (local: temporary file + rename; object stores: one PUT)."""
+    parent = _parent(path)
+    if parent:
+        storage.makedirs(parent)
+    storage.write_atomic(path, pointer.to_bytes())
+
+
+def versions(storage: Storage, path: str) -> list[int]:
+    """Version numbers ``v`` of every ``P.unickpt/step_<v>`` directory, committed or not, sorted."""
+    out = []
+    for name in storage.listdir(data_root(path)):
+        m = _VERSION_DIR.match(name)
+        if m:
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def siblings_linking_to(storage: Storage, path: str) -> list[str]:
+    """Pointer files in ``path``'s directory (other than ``path``) whose ``tensors_from`` lies in
+    ``P.unickpt`` (links that still need ``P``'s tensors)."""
+    parent = _parent(path)
+    root_rel = relative(path, data_root(path))
+    out = []
+    for name in storage.listdir(parent) if parent else []:
+        other = f"{parent}/{name}"
+        if other == path.rstrip("/") or name.endswith(DATA_SUFFIX):
+            continue
+        try:
+            if storage.isdir(other):
+                continue
+            p = read_pointer(storage, other)
+        except (OSError, ValueError):
+            continue
+        if p.tensors_from and (p.tensors_from == root_rel or p.tensors_from.startswith(root_rel + "/")):
+            out.append(other)
+    return out
+

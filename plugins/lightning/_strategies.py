@@ -1,0 +1,293 @@
+"""Routing Lightning's sharded strategies, which bypass ``CheckpointIO``, through unickpt.
+
+``ModelParallelStrategy`` (FSDP2 / TP, ``save_distributed_checkpoint=True``) and
+``FSDPStrategy(state_dict_type="sharded")`` save and load with ``torch.distributed.checkpoint``
+themselves (lightning 2.6 ``pytorch/strategies/model_parallel.py:299-345``, ``fsdp.py:550-640``);
+``DeepSpeedStrategy`` calls ``deepspeed_engine.save_checkpoint``. :func:`install` wraps these
+methods on the classes once: a strategy whose ``checkpoint_io`` is a
+:class:`~unickpt.lightning.UnickptCheckpointIO` takes unickpt's path, every other strategy runs
+Lightning's original method unchanged.
+
+The sharded route saves, collectively over the default process group,
+``{"state_dict": model, "optimizer_<i>": optimizer, "lightning": <the rest of the checkpoint>}``:
+unickpt expands the model and optimizers with ``torch.distributed.checkpoint.state_dict`` (FSDP2
+DTensors, FSDP1 sharded state), writes each shard once, and on load reshards them to the current
+mesh and world size. The rest of the checkpoint (epoch, loops, callbacks, schedulers,
+hyper-parameters: what Lightning itself writes to ``meta.pt``) is global rank 0's, stored as tagged
+JSON. DeepSpeedStrategy gets the ``"unickpt"`` block of :mod:`unickpt.deepspeed` added to its
+DeepSpeed config before the engine is created.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from typing import Any
+
+import torch
+
+from unickpt import codec
+from unickpt.engine import get_engine
+
+from . import _layout
+from ._layout import Pointer
+from ._tree import join, split
+
+__all__ = ["install", "unickpt_io", "save_sharded", "load_sharded", "deepspeed_config"]
+
+log = logging.getLogger("unickpt.lightning")
+
+_MARK = "__unickpt_lightning__"
+MODEL_KEY = "state_dict"
+
+
+def unickpt_io(strategy: Any) -> Any:
+    """The strategy's :class:`UnickptCheckpointIO` (also inside a wrapping IO such as
+    ``AsyncCheckpointIO``), or None. Never creates the strategy's default IO."""
+    from .io import UnickptCheckpointIO
+
+    io = getattr(strategy, "_checkpoint_io", None)
+    for _ in range(4):
+        if isinstance(io, UnickptCheckpointIO):
+            return io
+        io = getattr(io, "_checkpoint_io", None) or getattr(io, "checkpoint_io", None) if io is not None else None
+    return None
+
+
+def _is_sharded(strategy: Any) -> bool:
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, ModelParallelStrategy):
+        return bool(getattr(strategy, "_save_distributed_checkpoint", True))
+    if isinstance(strategy, FSDPStrategy):
+        return getattr(strategy, "_state_dict_type", None) == "sharded"
+    return False
+
+
+def install() -> None:
+    """Wrap the save/load methods of Lightning's sharded strategies and DeepSpeedStrategy (idempotent)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    for cls in (ModelParallelStrategy, FSDPStrategy):
+        if not getattr(cls.save_checkpoint, _MARK, False):
+            cls.save_checkpoint = _wrap_save(cls.save_checkpoint)
+        if not getattr(cls.load_checkpoint, _MARK, False):
+            cls.load_checkpoint = _wrap_load(cls.load_checkpoint)
+    if not getattr(DeepSpeedStrategy.setup, _MARK, False):
+        DeepSpeedStrategy.setup = _wrap_deepspeed_setup(DeepSpeedStrategy.setup)
+
+
+def _wrap_save(original: Any) -> Any:
+    @functools.wraps(original)
+    def save_checkpoint(self: Any, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
+        io = unickpt_io(self)
+        if io is None or not _is_sharded(self):
+            return original(self, checkpoint, filepath, storage_options)
+        return save_sharded(io, self, checkpoint, filepath, storage_options)
+
+    setattr(save_checkpoint, _MARK, True)
+    return save_checkpoint
+
+
+def _wrap_load(original: Any) -> Any:
+    @functools.wraps(original)
+    def load_checkpoint(self: Any, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
+        io = unickpt_io(self)
+        if io is None:
+            return original(self, checkpoint_path, weights_only=weights_only)
+        if not _is_sharded(self):  # full dicts: saved through the CheckpointIO, read by Lightning's own code
+            with _full_dict_reads(io, weights_only):
+                return original(self, checkpoint_path, weights_only=weights_only)
+        return load_sharded(io, self, checkpoint_path, weights_only)
+
+    setattr(load_checkpoint, _MARK, True)
+    return load_checkpoint
+
+
+class _TorchWithLoad:
+    """``torch`` with ``load`` replaced (see :func:`_full_dict_reads`)."""
+
+    def __init__(self, load: Any):
+        self.load = load
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def _full_dict_reads(io: Any, weights_only: bool | None) -> Any:
+    """While a non-sharded FSDPStrategy / ModelParallelStrategy loads a full checkpoint dict with its
+    own code (``_lazy_load`` in ``pytorch/strategies/fsdp.py:631``, ``torch.load`` in
+    ``fabric/strategies/model_parallel.py:466``), a path holding a unickpt pointer is read through
+    ``io.load_checkpoint``; anything else goes to the original readers."""
+    import lightning.fabric.strategies.model_parallel as fabric_mp
+    import lightning.pytorch.strategies.fsdp as pl_fsdp
+
+    from unickpt.storage import Storage
+
+    def ours(path: Any) -> bool:
+        try:
+            p = os.fspath(path)
+        except TypeError:
+            return False
+        return _layout.is_pointer(Storage(p), p)
+
+    original_lazy, original_torch = pl_fsdp._lazy_load, fabric_mp.torch
+
+    def lazy_load(path: Any, *args: Any, **kwargs: Any) -> Any:
+        return io.load_checkpoint(path, weights_only=weights_only) if ours(path) else original_lazy(path, *args, **kwargs)
+
+    def torch_load(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if ours(path):
+            return io.load_checkpoint(path, weights_only=kwargs.get("weights_only", weights_only))
+        return torch.load(path, *args, **kwargs)
+
+    pl_fsdp._lazy_load, fabric_mp.torch = lazy_load, _TorchWithLoad(torch_load)
+    try:
+        yield
+    finally:
+        pl_fsdp._lazy_load, fabric_mp.torch = original_lazy, original_torch
+
+
+def _optimizers(strategy: Any) -> list:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in strategy.optimizers]
+
+
+def _live_state(strategy: Any, with_optimizers: bool) -> dict[str, Any]:
+    """``{"state_dict": model, "optimizer_<i>": optimizer}`` as unickpt state leaves
+    (:mod:`unickpt.fsdp`: FSDP2 modules as they are, FSDP1 as flat-parameter slices; the fqns are
+    ``model.state_dict()`` names either way, so FSDP1 and FSDP2 checkpoints load into each other)."""
+    from unickpt.fsdp import model_state, optimizer_state
+
+    model = strategy.model
+    state: dict[str, Any] = {MODEL_KEY: model_state(model)}
+    if with_optimizers:
+        state.update({f"optimizer_{i}": optimizer_state(model, opt) for i, opt in enumerate(_optimizers(strategy))})
+    return state
+
+
+def _local_tensors(strategy: Any, with_optimizers: bool) -> dict[str, torch.Tensor]:
+    """This rank's local tensors of the model and (optionally) its optimizers' state, for the
+    unchanged-since-last-save check (DTensors by their local shard)."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    model = strategy.model  # parameters and buffers, not state_dict(): FSDP1's would all-gather
+    out = {f"m.{n}": local(t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    if with_optimizers:
+        for i, opt in enumerate(_optimizers(strategy)):
+            for j, st in enumerate(opt.state.values()):
+                out.update({f"o{i}.{j}.{k}": local(v) for k, v in st.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def save_sharded(io: Any, strategy: Any, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
+    """Save ``checkpoint`` of a sharded strategy at ``filepath`` (collective over the default group).
+
+    The model and optimizer states are taken from the live ``strategy.model`` and optimizers (the
+    sharded state dicts in ``checkpoint`` are dropped unused: Lightning's FSDP1 optimizer state is
+    a ``ShardedTensor`` dict that unickpt does not store); optimizers are saved only when
+    ``checkpoint`` has ``optimizer_states``.
+    """
+    from .io import FRAMEWORK, TREE_KEY, _fingerprint, _fspath, _global_step
+
+    io._raise_errors()
+    path = _fspath(strategy.broadcast(os.fspath(filepath)))
+    options = io._options(storage_options)
+    from unickpt.storage import Storage
+
+    storage = Storage(path, options)
+    meta = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, "optimizer_states")}
+    # encoded here, tensors inline: global rank 0's values, as in Lightning's meta.pt (handed to the
+    # engine as one plain value; its own traversal would treat the tensors as replicated leaves)
+    tree = codec.encode(split(meta, take_tensors=False)[0], allow_pickle=io._save_pickle(), key=TREE_KEY)
+    with_optimizers = "optimizer_states" in checkpoint
+    state = _live_state(strategy, with_optimizers)
+    engine = get_engine(None)
+    step = _global_step(checkpoint)
+    fingerprint = _fingerprint(_local_tensors(strategy, with_optimizers))
+    # save_last right after a top-k save: link only if every rank's tensors are unchanged
+    local_link = io._link_source(path, step, fingerprint)
+    links = engine.comm.all_gather(local_link, engine.comm.plan_group)
+    link = local_link if local_link is not None and all(x == local_link for x in links) else None
+    version = engine.broadcast(io._version_for(storage, path) if engine.rank == 0 else None)
+    vdir = _layout.version_dir(path, version)
+    if link is not None:
+        state = {TREE_KEY: tree}
+    else:
+        state[TREE_KEY] = tree
+    tensors_from = None if link is None else _layout.relative(path, link)
+    pointer = Pointer(_layout.relative(path, vdir), route="sharded", global_step=step, tensors_from=tensors_from)
+    handle = engine.save(vdir, state, async_save=io.async_save, storage_options=options, step=step,
+                         framework=FRAMEWORK, extra={"lightning_route": "sharded", "tensors_from": tensors_from},
+                         on_commit=io._publisher(path, version, pointer, options), allow_pickle=io._save_pickle())
+    io._track(path, handle)
+    if link is None:
+        io._last_full = (path, vdir, step, fingerprint)
+    if not io.async_save:
+        io._wait(path)
+
+
+def load_sharded(io: Any, strategy: Any, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
+    """Load a sharded-route checkpoint into ``strategy.model`` (and its optimizers while fitting),
+    resharded to the current world size and mesh; return the rest of the checkpoint dict (what
+    Lightning's own sharded load returns from ``meta.pt``). Collective over the default group.
+
+    Raises ValueError if the checkpoint was saved through the plain ``CheckpointIO`` route (a full
+    dict), StateMismatchError (from unickpt) if keys, shapes or dtypes do not match; missing or
+    unexpected model keys are allowed when ``LightningModule.strict_loading`` is False.
+    """
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from .io import TREE_KEY, _agree_pointer, _fspath
+
+    io._wait()
+    path = _fspath(strategy.broadcast(os.fspath(checkpoint_path)))
+    options = io._options(None)
+    engine = get_engine(None)
+    pointer = _agree_pointer(engine, path, options)
+    if pointer.route != "sharded":
+        raise ValueError(f"{path!r} holds a full checkpoint dict (saved through CheckpointIO, route "
+                         f"{pointer.route!r}); {type(strategy).__name__} with sharded state loads sharded-route "
+                         "checkpoints only")
+    vdir = _layout.resolve(path, pointer.checkpoint)
+    module = strategy.lightning_module
+    state = _live_state(strategy, with_optimizers=module.trainer.state.fn == TrainerFn.FITTING)
+    state[TREE_KEY] = None
+    source = vdir if pointer.tensors_from is None else _layout.resolve(path, pointer.tensors_from)
+    engine.load(source, state, strict=bool(module.strict_loading), storage_options=options, verify=io.verify)
+    if source != vdir:  # a link: the tensors came from the checkpoint it names, the rest is its own
+        state = {TREE_KEY: None}
+        engine.load(vdir, state, strict=True, storage_options=options, verify=io.verify)
+    allow = io._load_pickle(weights_only)
+    return join(codec.decode(state[TREE_KEY], allow_pickle=allow, key=TREE_KEY), lambda tag: None)
+
+
+def deepspeed_config(config: dict, io: Any) -> dict:
+    """``config`` (a DeepSpeed JSON config dict) with unickpt's ``"unickpt"`` block enabled, so the
+    DeepSpeed engine built from it saves and loads through :mod:`unickpt.deepspeed`; a block the user
+    already wrote is kept. Installs the DeepSpeed patch (before the engine exists)."""
+    from unickpt.deepspeed import install as install_deepspeed
+
+    install_deepspeed()
+    out = dict(config)
+    block = out.get("unickpt")
+    if not isinstance(block, dict):
+        out["unickpt"] = {"enabled": True, "async_save": bool(io.async_save)}
+    return out
+
+
+def _wrap_deepspeed_setup(original: Any) -> Any:
+    @functools.wraps(original)
+    def setup(self: Any, trainer: Any) -> None:
+        io = unickpt_io(self)
+        if io is not None:
+            self._init_config_if_needed()  # Lightning's own config, completed from the trainer (idempotent)
+            self.config = deepspeed_config(self.config, io)
+        return original(self, trainer)
+
+    setattr(setup, _MARK, True)
+    return setup

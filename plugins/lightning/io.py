@@ -1,0 +1,438 @@
+"""``UnickptCheckpointIO``: Lightning's ``CheckpointIO`` on the unickpt engine.
+
+Lightning calls a ``CheckpointIO`` with the full checkpoint dict on global rank 0 (save, remove)
+and on every rank (load). Sharded strategies (``ModelParallelStrategy``,
+``FSDPStrategy(state_dict_type="sharded")``) bypass ``CheckpointIO``; constructing a
+``UnickptCheckpointIO`` installs the route that sends them here too (:mod:`._strategies`).
+
+Storage layout, versions and links: :mod:`unickpt.lightning._layout`.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+
+from unickpt.collectives import THIS_PROCESS
+from unickpt.engine import SaveHandle, get_engine
+from unickpt.metadata import METADATA_FILE, read_metadata
+from unickpt.storage import Storage
+
+from . import _layout
+from ._layout import Pointer
+from ._tree import TENSOR_TAG, join, split
+
+__all__ = ["UnickptCheckpointIO"]
+
+log = logging.getLogger("unickpt.lightning")
+
+FRAMEWORK = "lightning"
+TENSORS_KEY = "tensors"
+TREE_KEY = "lightning"
+
+
+class UnickptCheckpointIO(CheckpointIO):
+    """Save, load and remove Lightning checkpoints with unickpt.
+
+    ``Trainer(plugins=[UnickptCheckpointIO()])`` (or ``Fabric(plugins=[...])`` with DDP or one
+    device). Every checkpoint the Trainer writes or restores (``ModelCheckpoint``,
+    ``trainer.save_checkpoint``, ``fit(ckpt_path=...)``, ``ckpt_path="last"``) then goes through
+    unickpt. The whole checkpoint dict comes back exactly: epoch, global step, loop and callback
+    state, optimizer states with their integer keys, LR schedulers, hyper-parameters, and
+    ``OrderedDict._metadata`` (see :mod:`._tree`).
+
+    Args:
+        async_save: return from a save once the tensors are copied into host memory (the stall);
+            writing and the commit go on in the background. Errors of a background save are raised
+            by the next save, load, remove, :meth:`wait` or :meth:`teardown`.
+        allow_pickle: values only pickle can store (objects of arbitrary classes, e.g. in
+            hyper-parameters). ``None`` (default) follows ``torch.save`` / ``torch.load``, i.e.
+            Lightning's own trust model: saving pickles them; loading unpickles them only when the
+            caller passes ``weights_only=False`` (``trainer.fit(ckpt_path=..., weights_only=False)``),
+            else raises ``unickpt.UnsafeObjectError`` naming the key and the class. ``True``: always
+            allowed; ``False``: never (a save of such a value raises UnsafeObjectError).
+        storage_options: fsspec options for remote paths (``s3://...``); Lightning's per-call
+            ``storage_options`` are merged over them.
+        dedup_last: a save to a ``last*`` path (``ModelCheckpoint.CHECKPOINT_NAME_LAST``) whose
+            tensors are the very ones (same storage, same autograd version counter, same global
+            step) of this plugin's previous save to a sibling path (``save_last`` right after a
+            top-k save) writes only its non-tensor state and links to the other checkpoint's
+            tensors instead of writing them again.
+        verify: check every byte read against its checksum on load.
+
+    Raises (on save/load): TypeError for a DTensor in a full checkpoint dict; ValueError when a
+    path is not a checkpoint this plugin wrote; the unickpt errors of :func:`unickpt.save` /
+    :func:`unickpt.load` (``StateMismatchError``, ``IntegrityError``, ``UnsafeObjectError``, ...).
+    """
+
+    def __init__(self, *, async_save: bool = True, allow_pickle: bool | None = None,
+                 storage_options: dict | None = None, dedup_last: bool = True, verify: bool = True):
+        from ._strategies import install
+
+        self.async_save = bool(async_save)
+        self.allow_pickle = allow_pickle
+        self.storage_options = dict(storage_options or {})
+        self.dedup_last = bool(dedup_last)
+        self.verify = bool(verify)
+        self._lock = threading.Lock()
+        self._pending: dict[str, list[SaveHandle]] = {}  # Lightning path -> saves not yet waited for
+        self._errors: list[BaseException] = []  # failures of post-commit steps (pointer, cleanup)
+        self._next_version: dict[str, int] = {}
+        self._last_full: tuple | None = None  # (path, version dir, global step, fingerprint) of the last full save
+        self._pending_links: dict[str, str] = {}  # Lightning path -> version dir its newest link save reads
+        self.last_handle: SaveHandle | None = None
+        _LIVE.add(self)
+        install()
+
+    def __getstate__(self) -> dict:
+        """Only the configuration travels (``ddp_spawn`` pickles the strategy into each worker)."""
+        return {k: getattr(self, k) for k in ("async_save", "allow_pickle", "storage_options", "dedup_last", "verify")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
+    # -- helpers --------------------------------------------------------------------------------------
+    def _options(self, storage_options: Any) -> dict | None:
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
+        merged = {**self.storage_options, **(storage_options or {})}
+        return merged or None
+
+    def _save_pickle(self) -> bool:
+        return self.allow_pickle is not False
+
+    def _load_pickle(self, weights_only: bool | None) -> bool:
+        if self.allow_pickle is not None:
+            return self.allow_pickle
+        return weights_only is False
+
+    def _raise_errors(self) -> None:
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    def _track(self, path: str, handle: SaveHandle, link: str | None = None) -> None:
+        """Remember ``handle`` until waited for; finished saves are dropped here (a failure is kept
+        for the next call to raise), so a long run does not accumulate handles."""
+        self.last_handle = handle
+        finished = []
+        with self._lock:
+            for p in list(self._pending):
+                finished += [h for h in self._pending[p] if h.done()]
+                self._pending[p] = [h for h in self._pending[p] if not h.done()]
+                if not self._pending[p]:
+                    del self._pending[p]
+            self._pending.setdefault(path, []).append(handle)
+            if link is not None:
+                self._pending_links[path] = link
+            self._pending_links = {p: t for p, t in self._pending_links.items() if p in self._pending}
+        for h in finished:
+            try:
+                h.wait()
+            except BaseException as e:  # raised by the next call
+                with self._lock:
+                    self._errors.append(e)
+
+    def _wait(self, path: str | None = None) -> None:
+        """Wait for this plugin's pending saves (of ``path``, or all); raise the first failure."""
+        with self._lock:
+            if path is None:
+                handles = [h for hs in self._pending.values() for h in hs]
+                self._pending = {}
+            else:
+                handles = self._pending.pop(path, [])
+        first: BaseException | None = None
+        for h in handles:
+            try:
+                h.wait()
+            except BaseException as e:  # keep waiting for the others
+                first = first or e
+        if first is not None:
+            raise first
+        self._raise_errors()
+
+    def wait(self) -> None:
+        """Block until every save started by this plugin in this process has committed and its
+        pointer is written; raise the first failure."""
+        self._wait()
+
+    def _version_for(self, storage: Storage, path: str) -> int:
+        """The next version number of ``path`` (one above any existing or in-flight version)."""
+        with self._lock:
+            known = self._next_version.get(path)
+        found = _layout.versions(storage, path)
+        v = max([known or 0] + [x + 1 for x in found] + [1])
+        with self._lock:
+            self._next_version[path] = v + 1
+        return v
+
+    # -- CheckpointIO -----------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        """Save the full checkpoint dict at ``path`` from this process alone (Lightning calls it on
+        global rank 0). Returns once the tensors are snapshotted (``async_save``) or committed."""
+        self._raise_errors()
+        path = _fspath(path)
+        options = self._options(storage_options)
+        storage = Storage(path, options)
+        tree, tensors = split(checkpoint)
+        step = _global_step(checkpoint)
+        fingerprint = _fingerprint(tensors)
+        link = self._link_source(path, step, fingerprint)
+        version = self._version_for(storage, path)
+        vdir = _layout.version_dir(path, version)
+        if link is not None:
+            state = {TREE_KEY: tree}
+            tensors_from = _layout.relative(path, link)
+        else:
+            state = {TENSORS_KEY: tensors, TREE_KEY: tree} if tensors else {TREE_KEY: tree}
+            tensors_from = None
+        pointer = Pointer(_layout.relative(path, vdir), route="io", global_step=step, tensors_from=tensors_from)
+        handle = get_engine(THIS_PROCESS).save(
+            vdir, state, async_save=self.async_save, storage_options=options, step=step, framework=FRAMEWORK,
+            extra={"lightning_route": "io", "tensors_from": tensors_from},
+            on_commit=self._publisher(path, version, pointer, options), allow_pickle=self._save_pickle())
+        self._track(path, handle, link)
+        if link is None:
+            self._last_full = (path, vdir, step, fingerprint)
+        if not self.async_save:
+            self._wait(path)
+
+    def _link_source(self, path: str, step: int | None, fingerprint: tuple) -> str | None:
+        if not self.dedup_last or self._last_full is None or not fingerprint:
+            return None
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        if not os.path.basename(path.rstrip("/")).startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST):
+            return None  # only ModelCheckpoint's save_last copies are links
+        prev_path, prev_vdir, prev_step, prev_fp = self._last_full
+        same_dir = os.path.dirname(prev_path.rstrip("/")) == os.path.dirname(path.rstrip("/"))
+        if prev_path != path and same_dir and step is not None and prev_step == step and prev_fp == fingerprint:
+            return prev_vdir
+        return None
+
+    def _publisher(self, path: str, version: int, pointer: Pointer, options: dict | None) -> Callable[[], None]:
+        def publish() -> None:
+            try:
+                self._publish(path, version, pointer, options)
+            except BaseException as e:  # raised on the caller's next call
+                log.exception("unickpt.lightning: publishing %s failed", path)
+                with self._lock:
+                    self._errors.append(e)
+        return publish
+
+    def _publish(self, path: str, version: int, pointer: Pointer, options: dict | None) -> None:
+        """After the commit of ``version`` (background thread, group rank 0): point ``path`` at it,
+        then delete the versions it replaces (keeping those that sibling links still read)."""
+        storage = Storage(path, options)
+        if pointer.tensors_from is not None:
+            source = _layout.resolve(path, pointer.tensors_from)
+            if not storage.exists(f"{source}/{METADATA_FILE}"):
+                raise RuntimeError(f"{path!r}: the checkpoint it links to, {source!r}, did not commit; "
+                                   f"{path!r} was not updated")
+        old = _read_pointer_or_none(storage, path)
+        _layout.write_pointer(storage, path, pointer)
+        keep = {_layout.resolve(other, p.tensors_from)
+                for other in _layout.siblings_linking_to(storage, path)
+                for p in [_layout.read_pointer(storage, other)]}
+        for v in _layout.versions(storage, path):
+            vdir = _layout.version_dir(path, v)
+            if v < version and vdir not in keep:
+                _rm_version(storage, vdir)
+        if old is not None and old.tensors_from and old.tensors_from != pointer.tensors_from:
+            _collect_link_target(storage, path, _layout.resolve(path, old.tensors_from))
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the checkpoint dict saved at ``path`` (collective: every rank of the default process
+        group calls it, as Lightning does; each gets the whole dict).
+
+        ``map_location``: ``None`` (CPU, as Lightning's ``TorchCheckpointIO``), a device or device
+        string, or a ``{saved device: device}`` dict. ``weights_only=False`` allows unpickling (see
+        ``allow_pickle``). Raises ValueError if ``path`` is not a checkpoint this plugin wrote,
+        FileNotFoundError if it does not exist.
+        """
+        self._wait()
+        path = _fspath(path)
+        options = self._options(None)
+        engine = get_engine(None)
+        pointer = _agree_pointer(engine, path, options)
+        if pointer.route != "io":
+            raise ValueError(f"{path!r} was saved by a sharded strategy (route {pointer.route!r}); load it with the "
+                             "same kind of strategy (ModelParallelStrategy / FSDPStrategy sharded)")
+        vdir = _layout.resolve(path, pointer.checkpoint)
+        allow = self._load_pickle(weights_only)
+        if pointer.tensors_from is None:
+            template = _tensor_template(vdir, options)
+            state: dict[str, Any] = {TENSORS_KEY: template, TREE_KEY: None} if template else {TREE_KEY: None}
+            engine.load(vdir, state, strict=True, storage_options=options, allow_pickle=allow, verify=self.verify)
+        else:
+            source = _layout.resolve(path, pointer.tensors_from)
+            state = {TREE_KEY: None}
+            engine.load(vdir, state, strict=True, storage_options=options, allow_pickle=allow, verify=self.verify)
+            template = _tensor_template(source, options)
+            tstate = {TENSORS_KEY: template}
+            engine.load(source, tstate, strict=False, storage_options=options, allow_pickle=allow, verify=self.verify)
+        move = _mover(map_location)
+        return join(state[TREE_KEY], lambda tag: move(template[tag[TENSOR_TAG]], tag.get("device")))
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the checkpoint at ``path`` (Lightning calls it on global rank 0): its pointer, then its
+        versions, except those that a sibling link still reads (deleted when that link moves on).
+        A path this plugin did not write is removed like ``TorchCheckpointIO`` does."""
+        path = _fspath(path)
+        self._wait(path)
+        root = _layout.data_root(path) + "/"
+        with self._lock:  # a link save still in flight must publish its pointer before its target is judged
+            readers = [p for p, target in self._pending_links.items() if target.startswith(root) and p in self._pending]
+        for p in readers:
+            self._wait(p)
+        storage = Storage(path, self._options(None))
+        pointer = _read_pointer_or_none(storage, path)
+        if pointer is None:
+            if storage.exists(path):
+                storage.rm(path)
+            return
+        storage.rm(path)
+        if not _layout.siblings_linking_to(storage, path):
+            storage.rm(_layout.data_root(path))
+        else:
+            keep = {_layout.resolve(o, _layout.read_pointer(storage, o).tensors_from)
+                    for o in _layout.siblings_linking_to(storage, path)}
+            for v in _layout.versions(storage, path):
+                if _layout.version_dir(path, v) not in keep:
+                    _rm_version(storage, _layout.version_dir(path, v))
+        if pointer.tensors_from:
+            _collect_link_target(storage, path, _layout.resolve(path, pointer.tensors_from))
+        with self._lock:
+            if self._last_full is not None and self._last_full[0] == path:
+                self._last_full = None
+
+    def teardown(self) -> None:
+        """Wait for every pending save (Lightning calls this when the strategy tears down)."""
+        self._wait()
+
+
+# -- module helpers ----------------------------------------------------------------------------------
+_LIVE: "weakref.WeakSet[UnickptCheckpointIO]" = weakref.WeakSet()
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    """Let pending saves commit before the interpreter exits (e.g. the weights a ``ddp_spawn`` worker
+    saves for the main process right before it returns); failures are logged."""
+    for io in list(_LIVE):
+        try:
+            io.wait()
+        except BaseException:  # noqa: BLE001 - nothing left to raise to
+            log.exception("unickpt.lightning: a checkpoint save failed before exit")
+
+
+def _fspath(path: Any) -> str:
+    p = os.fspath(path)
+    return p if "://" in p else os.path.abspath(p)
+
+
+def _global_step(checkpoint: Any) -> int | None:
+    step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
+    return int(step) if isinstance(step, int) else None
+
+
+def _fingerprint(tensors: dict[str, torch.Tensor]) -> tuple:
+    """Identity of the tensors' current contents: storage address, view, and version counter (bumped
+    by every in-place change made through autograd-visible ops, optimizer steps included)."""
+    out = []
+    for fqn, t in tensors.items():
+        if t.device.type == "meta":
+            return ()
+        out.append((fqn, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+                    str(t.device), t._version))
+    return tuple(out)
+
+
+def _read_pointer_or_none(storage: Storage, path: str) -> Pointer | None:
+    try:
+        return _layout.read_pointer(storage, path)
+    except (OSError, ValueError):
+        return None
+
+
+def _rm_version(storage: Storage, vdir: str) -> None:
+    # uncommit first, so a half-deleted version is never loadable
+    storage.rm(f"{vdir}/{METADATA_FILE}")
+    storage.rm(vdir)
+
+
+def _collect_link_target(storage: Storage, link_path: str, target_vdir: str) -> None:
+    """Delete ``target_vdir`` (a version another path's link read) once nothing needs it: its own
+    pointer names another version (or is gone) and no sibling link reads it."""
+    owner = target_vdir.rsplit("/", 1)[0]
+    if not owner.endswith(_layout.DATA_SUFFIX):
+        return
+    owner_path = owner[: -len(_layout.DATA_SUFFIX)]
+    current = _read_pointer_or_none(storage, owner_path)
+    if current is not None and _layout.resolve(owner_path, current.checkpoint) == target_vdir:
+        return
+    for other in _layout.siblings_linking_to(storage, owner_path):
+        p = _read_pointer_or_none(storage, other)
+        if p is not None and p.tensors_from and _layout.resolve(other, p.tensors_from) == target_vdir:
+            return
+    _rm_version(storage, target_vdir)
+    if current is None and not _layout.versions(storage, owner_path):
+        storage.rm(owner)
+
+
+def _agree_pointer(engine: Any, path: str, options: dict | None) -> Pointer:
+    """Group rank 0 reads the pointer (after its own pending saves committed) and every rank gets
+    its reading, or the same error."""
+    result: Any = None
+    if engine.rank == 0:
+        storage = Storage(path, options)
+        try:
+            if not storage.exists(path):
+                raise FileNotFoundError(f"no checkpoint at {path!r}")
+            result = ("ok", _layout.read_pointer(storage, path).to_bytes())
+        except (OSError, ValueError) as e:
+            result = ("error", type(e).__name__, str(e))
+    result = engine.broadcast(result)
+    if result[0] == "error":
+        cls = {"FileNotFoundError": FileNotFoundError}.get(result[1], ValueError)
+        raise cls(result[2])
+    import json
+
+    doc = json.loads(result[1])
+    return Pointer(doc["checkpoint"], doc.get("route", "io"), doc.get("global_step"), doc.get("tensors_from"))
+
+
+def _tensor_template(vdir: str, options: dict | None) -> dict[str, torch.Tensor]:
+    """Empty CPU tensors of the stored dtypes and shapes, one per stored tensor under ``tensors``
+    (tied tensors share one)."""
+    from unickpt.codec import str_to_dtype
+
+    meta = read_metadata(Storage(vdir, options), vdir)
+    prefix = TENSORS_KEY + "."
+    out: dict[str, torch.Tensor] = {}
+    for fqn, tm in meta.tensors.items():
+        if fqn.startswith(prefix):
+            out[fqn[len(prefix):]] = torch.empty(tuple(tm.shape), dtype=str_to_dtype(tm.dtype))
+    for alias, target in meta.aliases.items():
+        if alias.startswith(prefix) and target.startswith(prefix):
+            out[alias[len(prefix):]] = out[target[len(prefix):]]
+    return out
+
+
+def _mover(map_location: Any) -> Callable[[torch.Tensor, str | None], torch.Tensor]:
+    if map_location is None:
+        return lambda t, saved: t
+    if isinstance(map_location, (str, torch.device)):
+        device = torch.device(map_location)
+        return lambda t, saved: t.to(device)
+    if isinstance(map_location, dict):
+        return lambda t, saved: t.to(map_location.get(saved, saved)) if saved in map_location else t
+    raise TypeError(f"map_location must be None, a device, a device string or a dict of device strings, "
+                    f"got {type(map_location).__name__}")
