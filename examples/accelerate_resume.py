@@ -24,16 +24,22 @@ import unickpt.accelerate
 
 
 class Progress:
-    """Where training is: registered with the accelerator, so it is saved and restored with it."""
+    """Where training is: registered with the accelerator, so it is saved and restored with it.
+
+    ``samples`` counts the samples consumed by all processes together: unlike a batch count, it means
+    the same thing on any number of processes, so a run resumed on another process count skips
+    exactly the samples already trained on."""
 
     def __init__(self) -> None:
         self.global_step = 0
+        self.samples = 0
 
     def state_dict(self) -> dict:
-        return {"global_step": self.global_step}
+        return {"global_step": self.global_step, "samples": self.samples}
 
     def load_state_dict(self, state: dict) -> None:
         self.global_step = int(state["global_step"])
+        self.samples = int(state["samples"])
 
 
 def main() -> None:
@@ -53,8 +59,9 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Dropout(0.1), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.1, total_iters=args.steps)
+    batch_size = 8  # per process
     data = torch.utils.data.TensorDataset(torch.randn(256, 16), torch.randn(256, 1))
-    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True)
     model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
@@ -65,7 +72,10 @@ def main() -> None:
         accelerator.print(f"resumed at step {progress.global_step} on {accelerator.num_processes} process(es)")
 
     while progress.global_step < args.steps:
-        epoch, skip = divmod(progress.global_step, len(loader))
+        # the shuffled order of an epoch is the same on any process count; each step takes the next
+        # batch_size * num_processes samples of it, so the batches to skip depend on the process count
+        epoch, offset = divmod(progress.samples, len(data))
+        skip = offset // (batch_size * accelerator.num_processes)
         loader.set_epoch(epoch)
         batches = accelerator.skip_first_batches(loader, skip) if skip else loader
         for x, y in batches:
@@ -75,6 +85,8 @@ def main() -> None:
             scheduler.step()
             optimizer.zero_grad()
             progress.global_step += 1
+            progress.samples = min(progress.samples + batch_size * accelerator.num_processes,
+                                   (epoch + 1) * len(data))  # the last batch of an epoch may be short
             if progress.global_step % args.save_every == 0:
                 accelerator.save_state()  # returns once the state is in host memory; commits in the background
                 accelerator.print(f"step {progress.global_step}: loss {loss.item():.4f}, saved")

@@ -16,6 +16,13 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.2), nn.ReLU(), nn.Linear(32, 4))
 
 
+def make_norm() -> nn.Module:
+    """A second model whose buffers (BatchNorm running statistics) differ between DDP processes after
+    each forward: DDP broadcasts process 0's buffers at the start of forward, then each process
+    updates them from its own batch."""
+    return nn.BatchNorm1d(4)
+
+
 def make_data(n: int = 32) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(1)
     return torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g))
@@ -57,17 +64,31 @@ def rng_digest() -> str:
 
 
 class Progress:
-    """A registered checkpointing object: the epochs done and a history."""
+    """A registered checkpointing object: the epochs done, a history, and two tensors that differ
+    between processes (this process's last losses and their running sum)."""
 
     def __init__(self):
         self.epoch = -1
         self.history: list[float] = []
+        self.recent = torch.zeros(4)
+        self.total = torch.zeros(())
+
+    def record(self, loss: torch.Tensor) -> None:
+        self.history.append(round(float(loss.detach()), 6))
+        self.recent.copy_(torch.cat([self.recent[1:], loss.detach().reshape(1)]))
+        self.total += loss.detach()
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "history": list(self.history)}
+        return {"epoch": self.epoch, "history": list(self.history), "recent": self.recent, "total": self.total}
 
     def load_state_dict(self, sd: dict) -> None:
         self.epoch, self.history = int(sd["epoch"]), list(sd["history"])
+        self.recent.copy_(sd["recent"])
+        self.total.copy_(sd["total"])
+
+    def report(self) -> dict:
+        return {"epoch": self.epoch, "history": list(self.history), "recent": self.recent.tolist(),
+                "total": float(self.total)}
 
 
 def write_report(path: str, rank: int, report: dict) -> None:

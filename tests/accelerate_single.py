@@ -3,7 +3,9 @@ accelerate_fsdp.py (FSDP2), then overwrite, pickling, total_limit and failure ch
 
     accelerate_single.py REPORT DDP_CHECKPOINT FSDP2_CHECKPOINT FSDP1_CHECKPOINT WORKDIR
 """
+import json
 import os
+import subprocess
 import sys
 import threading
 
@@ -15,8 +17,8 @@ import unickpt
 import unickpt.accelerate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from accelerate_common import (Progress, digest, full_states, make_data, make_model, rng_digest,  # noqa: E402
-                               write_report)
+from accelerate_common import (Progress, digest, full_states, make_data, make_model, make_norm,  # noqa: E402
+                               rng_digest, write_report)
 
 report_path, ddp_ckpt, fsdp_ckpt, fsdp1_ckpt, work = sys.argv[1:6]
 report: dict = {}
@@ -36,7 +38,8 @@ model = make_model()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
 loader = torch.utils.data.DataLoader(make_data(), batch_size=4, shuffle=True)
-model, optimizer, scheduler, loader = acc.prepare(model, optimizer, scheduler, loader)
+norm = make_norm()
+model, optimizer, scheduler, loader, norm = acc.prepare(model, optimizer, scheduler, loader, norm)
 progress = Progress()
 acc.register_for_checkpointing(progress)
 unickpt.accelerate.enable(acc)  # default: rng_reshard="error"
@@ -47,11 +50,11 @@ unickpt.accelerate.enable(acc, rng_reshard="by_rank")
 acc.load_state(ddp_ckpt)
 gen = loader.batch_sampler.sampler.generator if hasattr(loader.batch_sampler, "sampler") else None
 report["ddp_loaded"] = {"model": full_states(model, optimizer)[0], "optim": full_states(model, optimizer)[1],
-                        "rng": rng_digest(), "lr": scheduler.get_last_lr(), "progress": progress.state_dict(),
+                        "rng": rng_digest(), "lr": scheduler.get_last_lr(), "progress": progress.report(),
                         "generator": digest(gen.get_state()) if gen is not None else None,
-                        "loader_epoch": loader.iteration}
+                        "loader_epoch": loader.iteration, "norm": digest(norm.state_dict())}
 for x, y in loader:  # one more epoch on 1 process
-    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss = torch.nn.functional.mse_loss(norm(model(x)), y)
     acc.backward(loss)
     optimizer.step()
     scheduler.step()
@@ -156,16 +159,42 @@ acc3.register_for_checkpointing(Holder())
 report["failed_save"] = error(lambda: acc3.save_state())
 report["after_failed_save"] = sorted(os.listdir(os.path.join(project, "checkpoints")))
 acc3._custom_objects.clear()
+# what a run killed during its next save leaves: checkpoint_1 with data but no metadata.json, and the
+# writer record of a process that is gone
+dead = subprocess.Popen([sys.executable, "-c", "pass"])
+dead.wait()
+crashed = os.path.join(project, "checkpoints", "checkpoint_1", "unickpt", "step_0")
+os.makedirs(os.path.join(crashed, "data"))
+with open(os.path.join(crashed, "data", "0_0.bin"), "wb") as f:
+    f.write(b"\0" * 64)
+with open(os.path.join(crashed, ".unickpt-writer"), "w") as f:
+    json.dump({"host": os.uname().nodename, "pid": dead.pid, "time": 0}, f)
 with torch.no_grad():
     for p in model3.parameters():
         p.zero_()
-acc3.load_state()  # the newest loadable folder: checkpoint_0
+acc3.load_state()  # the newest loadable folder: checkpoint_0 (checkpoint_1 never committed)
 report["reloaded_after_failure"] = full_states(model3, torch.optim.SGD(model3.parameters(), lr=0.1))[0] == first
 report["iteration_after_load"] = acc3.save_iteration
 acc3.save_state()
 report["after_rotation"] = sorted(os.listdir(os.path.join(project, "checkpoints")))
-report["rotated_committed"] = os.path.exists(os.path.join(project, "checkpoints", "checkpoint_1", "unickpt", "step_0",
+report["rotated_committed"] = os.path.exists(os.path.join(project, "checkpoints", "checkpoint_2", "unickpt", "step_0",
                                                          "metadata.json"))
+report["not_a_checkpoint"] = error(lambda: acc3.load_state(os.path.join(project, "checkpoints")))
+
+# 5b. switching to unickpt mid-run: Accelerate wrote checkpoint_0 itself, a new run with unickpt resumes
+project6 = os.path.join(work, "project6")
+config6 = dict(project_dir=project6, automatic_checkpoint_naming=True, total_limit=3)
+acc6 = Accelerator(project_config=ProjectConfiguration(**config6))
+model6 = acc6.prepare(make_model())
+acc6.save_state()  # unickpt is not enabled for acc6: Accelerate's own files
+acc7 = Accelerator(project_config=ProjectConfiguration(**config6))
+model7 = acc7.prepare(make_model())
+unickpt.accelerate.enable(acc7)
+acc7.load_state()
+acc7.save_state()
+unickpt.accelerate.wait()
+report["switched"] = {name: sorted(os.listdir(os.path.join(project6, "checkpoints", name)))
+                      for name in os.listdir(os.path.join(project6, "checkpoints"))}
 
 # 6. save / load pre-hooks that take model 0 out (the hook saves it its own way)
 acc4 = Accelerator()
@@ -208,5 +237,35 @@ report["hooks"] = {"folder": sorted(os.listdir(hooked)),
                    "a_untouched": full_states(model_a, opt_a)[0] == changed_a,
                    "opt_a_restored": full_states(model_a, opt_a)[1] == saved_a[1],
                    "b_restored": full_states(model_b, opt_b) == saved_b}
+# 6b. one optimizer over two prepared models (Accelerate saves its index-keyed state dict)
+acc9 = Accelerator()
+enc, head = make_model(), torch.nn.Linear(4, 2)
+opt9 = torch.optim.AdamW(list(enc.parameters()) + list(head.parameters()), lr=1e-2)
+enc, head, opt9 = acc9.prepare(enc, head, opt9)
+acc9.backward(head(enc(torch.ones(2, 8))).sum())
+opt9.step()
+unickpt.accelerate.enable(acc9)
+spanning = os.path.join(work, "spanning")
+saved9 = digest(opt9.optimizer.state_dict())
+acc9.save_state(spanning)
+unickpt.accelerate.wait()
+acc9.backward(head(enc(torch.ones(2, 8))).sum())
+opt9.step()
+changed9 = digest(opt9.optimizer.state_dict()) != saved9
+acc9.load_state(spanning)
+meta9 = unickpt.CheckpointMetadata.from_json(open(os.path.join(spanning, "unickpt", "step_0", "metadata.json")).read())
+report["spanning"] = {"changed": changed9, "restored": digest(opt9.optimizer.state_dict()) == saved9,
+                      "keys": sorted(k for k in meta9.tensors if k.startswith("optimizers.0.state.")
+                                     and k.endswith(".exp_avg"))}
+
+# 7. enabled for every accelerator, disabled for one: that one writes Accelerate's own files
+acc8 = Accelerator()
+model8 = acc8.prepare(make_model())
+unickpt.accelerate.enable()
+unickpt.accelerate.disable(acc8)
+acc8.save_state(os.path.join(work, "disabled"))
+report["disabled_one"] = [unickpt.accelerate.is_enabled(acc8), unickpt.accelerate.is_enabled(None),
+                          sorted(os.listdir(os.path.join(work, "disabled")))]
+unickpt.accelerate.disable()
 acc3.end_training()
 write_report(report_path, 0, report)

@@ -1,6 +1,7 @@
 """An ordinary Accelerate training script (it does not import unickpt): 3 epochs, save_state after each
-epoch with automatic checkpoint naming and total_limit=2, a scheduler, a shuffled dataloader, dropout
-and a registered object. With UNICKPT_ACCELERATE=1 its checkpoints go through unickpt.
+epoch with automatic checkpoint naming and total_limit=2, a scheduler, a shuffled dataloader, dropout,
+a second model with BatchNorm buffers that differ between processes, and a registered object (with
+tensors that differ between processes too). With UNICKPT_ACCELERATE=1 its checkpoints go through unickpt.
 
     train:  accelerate_train.py REPORT PROJECT train
     resume: accelerate_train.py REPORT PROJECT resume CHECKPOINT_DIR   (load, then finish the epochs)
@@ -13,8 +14,8 @@ from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from accelerate_common import (Progress, digest, full_states, make_data, make_model, rng_digest,  # noqa: E402
-                               write_report)
+from accelerate_common import (Progress, digest, full_states, make_data, make_model, make_norm,  # noqa: E402
+                               rng_digest, write_report)
 
 EPOCHS = 3
 report_path, project, mode = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -24,7 +25,8 @@ model = make_model()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
 loader = torch.utils.data.DataLoader(make_data(), batch_size=4, shuffle=True)
-model, optimizer, scheduler, loader = acc.prepare(model, optimizer, scheduler, loader)
+norm = make_norm()
+model, optimizer, scheduler, loader, norm = acc.prepare(model, optimizer, scheduler, loader, norm)
 progress = Progress()
 acc.register_for_checkpointing(progress)
 report = {"world": acc.num_processes, "saves": {}}
@@ -34,7 +36,8 @@ def snapshot() -> dict:
     m, o = full_states(model, optimizer)
     gen = getattr(loader.batch_sampler, "batch_sampler", loader.batch_sampler).sampler.generator
     return {"model": m, "optim": o, "rng": rng_digest(), "lr": scheduler.get_last_lr(), "step": acc.step,
-            "progress": progress.state_dict(), "iteration": acc.save_iteration, "loader_epoch": loader.iteration,
+            "progress": progress.report(), "norm": digest(acc.unwrap_model(norm).state_dict()),
+            "iteration": acc.save_iteration, "loader_epoch": loader.iteration,
             "generator": digest(gen.get_state()) if gen is not None else None}
 
 
@@ -46,12 +49,12 @@ if mode == "resume":
 for epoch in range(start, EPOCHS):
     model.train()
     for x, y in loader:
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss = torch.nn.functional.mse_loss(norm(model(x)), y)
         acc.backward(loss)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-        progress.history.append(round(float(loss.detach()), 6))
+        progress.record(loss)
     progress.epoch = epoch
     if mode == "train":
         acc.save_state()

@@ -106,7 +106,7 @@ def test_env_var_routes_unmodified_script_through_unickpt_with_rotation(runs):
         meta = _metadata(folder)
         assert meta["layout"]["world_size"] == 2
         assert meta["per_rank"]["fqns"] == ["rng"]
-        assert sorted({k.split(".")[0] for k in meta["tensors"]}) == ["models", "optimizers"]
+        assert sorted({k.split(".")[0] for k in meta["tensors"]}) == ["custom", "models", "optimizers"]
         assert "models.0.0.weight" in meta["tensors"] and "optimizers.0.state.0.weight.exp_avg" in meta["tensors"]
         tree = meta["state_tree"]
         assert tree["accelerate"]["iteration"] == int(name.split("_")[1])
@@ -124,12 +124,23 @@ def test_load_state_restores_everything_and_resume_equals_uninterrupted(runs):
         saved, loaded = runs["A"][rank]["saves"]["1"], runs["B"][rank]["loaded"]
         for key in ("model", "optim", "rng", "lr", "generator", "loader_epoch", "step"):
             assert loaded[key] == saved[key], (rank, key)
-        assert loaded["iteration"] == 2  # restored: the next save_state would go to checkpoint_2
-        # registered objects are global: every process gets process 0's state, as in Accelerate
+        # the next save_state goes after the loaded checkpoint_1 and after the existing checkpoint_2
+        # (iteration 2 would fail with "already exists")
+        assert loaded["iteration"] == 3
+        # DDP buffers differ between processes (BatchNorm statistics of each process's own batch);
+        # the checkpoint holds process 0's, as Accelerate saves, not a mix of both processes'
+        assert loaded["norm"] == runs["A"][0]["saves"]["1"]["norm"], rank
+        # registered objects are global: every process gets process 0's state, as in Accelerate,
+        # tensors included (they differ between processes: not a mix of both processes' tensors)
         assert loaded["progress"] == runs["A"][0]["saves"]["1"]["progress"]
         final_a, final_b = runs["A"][rank]["final"], runs["B"][rank]["final"]
-        for key in ("model", "optim", "rng", "lr", "generator", "loader_epoch"):
+        for key in ("model", "optim", "rng", "lr", "generator", "loader_epoch", "norm"):
             assert final_b[key] == final_a[key], (rank, key)
+    # the buffers and the registered tensors did differ, and saving left process 1's own in place
+    # (snapshots are taken after save_state)
+    assert runs["A"][1]["saves"]["1"]["norm"] != runs["A"][0]["saves"]["1"]["norm"]
+    progress0, progress1 = runs["A"][0]["saves"]["1"]["progress"], runs["A"][1]["saves"]["1"]["progress"]
+    assert progress1["recent"] != progress0["recent"] and progress1["total"] != progress0["total"]
     # training did change the model between the checkpoint and the end
     assert runs["A"][0]["saves"]["1"]["model"] != runs["A"][0]["final"]["model"]
 
@@ -174,7 +185,7 @@ def test_resume_on_one_process(runs):
     assert "UNICKPT_ACCELERATE_RNG_RESHARD=by_rank|keep" in d["rng_error"][1]
     assert d["untouched_after_error"] is True
     saved0 = runs["A"][0]["saves"]["1"]
-    for key in ("model", "optim", "rng", "lr", "generator", "progress", "loader_epoch"):
+    for key in ("model", "optim", "rng", "lr", "generator", "progress", "loader_epoch", "norm"):
         assert d["ddp_loaded"][key] == saved0[key], key  # rng_reshard="by_rank": process 0's streams
     assert d["trained_after_resume"] is True
     # FSDP2 (2 processes, DTensor shards) -> a plain module and optimizer on 1 process
@@ -211,9 +222,37 @@ def test_failed_save_keeps_last_committed_and_rotation_after_commit(runs):
     assert d["failed_save"][0] == "UnsafeObjectError"
     assert d["after_failed_save"] == ["checkpoint_0"]  # total_limit=1, yet the old one survives a failed save
     assert d["reloaded_after_failure"] is True
-    assert d["iteration_after_load"] == 1
-    assert d["after_rotation"] == ["checkpoint_1"]
+    # a killed save's checkpoint_1 is skipped by load_state(), not reused by the next save_state (which
+    # failed with "already exists"), and rotation deletes it first
+    assert d["iteration_after_load"] == 2
+    assert d["after_rotation"] == ["checkpoint_2"]
     assert d["rotated_committed"] is True
+    # a folder holding no checkpoint at all: one clear line, not Accelerate's missing pytorch_model.bin
+    assert d["not_a_checkpoint"] == [
+        "CheckpointNotFoundError",
+        f"load_state: {str(runs['tmp'] / 'work' / 'project' / 'checkpoints')!r} is not a checkpoint: it holds "
+        "neither a unickpt/ folder nor the files of Accelerate's own save_state (random_states_<r>.pkl, ...)"]
+
+
+def test_switching_to_unickpt_mid_run_continues_the_numbering(runs):
+    # checkpoint_0 by Accelerate itself, loaded by load_state(); the next save_state goes to checkpoint_1
+    switched = runs["D"]["switched"]
+    assert sorted(switched) == ["checkpoint_0", "checkpoint_1"]
+    assert "random_states_0.pkl" in switched["checkpoint_0"] and "unickpt" not in switched["checkpoint_0"]
+    assert switched["checkpoint_1"] == ["unickpt"]
+
+
+def test_one_optimizer_over_two_models(runs):
+    # it failed with a bare KeyError from get_optimizer_state_dict; now fqn-keyed per model index
+    spanning = runs["D"]["spanning"]
+    assert spanning["changed"] is True and spanning["restored"] is True
+    assert spanning["keys"] == ["optimizers.0.state.0.0.bias.exp_avg", "optimizers.0.state.0.0.weight.exp_avg",
+                                "optimizers.0.state.0.3.bias.exp_avg", "optimizers.0.state.0.3.weight.exp_avg",
+                                "optimizers.0.state.1.bias.exp_avg", "optimizers.0.state.1.weight.exp_avg"]
+
+
+def test_disable_one_accelerator_while_enabled_for_all(runs):
+    assert runs["D"]["disabled_one"] == [False, True, ["model.safetensors", "random_states_0.pkl"]]
 
 
 def test_save_and_load_pre_hooks(runs):
@@ -298,3 +337,32 @@ def test_rotation_never_deletes_a_save_in_flight_or_the_new_checkpoint(tmp_path)
     assert _layout.rotate(root, 1, keep=f3, in_flight=lambda p: p in in_flight) == []
     assert _layout.rotate(root, 1, keep=f3, in_flight=lambda p: False) == []  # the writer record is alive
     assert os.path.isdir(f2) and os.path.isdir(f3)
+    # the leftover of a save that died goes before the oldest committed checkpoint
+    other = str(tmp_path / "other")
+    g0, g1, g2 = _folder(other, 0, "committed"), _folder(other, 1, "crashed"), _folder(other, 2, "committed")
+    assert _layout.rotate(other, 2, keep=g2, in_flight=lambda p: False) == [g1]
+    assert _layout.newest_number(other) == 2 and _layout.newest_loadable(other) == g2
+    os.makedirs(os.path.join(other, "checkpoint_3"))  # killed before it wrote anything: not loadable
+    assert _layout.newest_number(other) == 3 and _layout.newest_loadable(other) == g2
+    assert os.path.isdir(g0)
+
+
+def test_dataloader_sampler_state_is_not_skipped_silently():
+    import torch
+
+    import unickpt
+    from unickpt.accelerate._state import DataLoaderState
+
+    shuffled = torch.utils.data.DataLoader(list(range(8)), batch_size=2, shuffle=True,
+                                           generator=torch.Generator().manual_seed(3))
+    saved = DataLoaderState(shuffled, "dataloaders.0").state_dict()
+    assert saved["generator"] is not None
+    sequential = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    with pytest.raises(unickpt.StateMismatchError) as e:
+        DataLoaderState(sequential, "dataloaders.0").load_state_dict(saved)
+    assert str(e.value) == ("'dataloaders.0.generator': the checkpoint holds a sampler generator, but this "
+                            "dataloader's sampler (SequentialSampler) has no 'generator' (prepare the dataloader "
+                            "as in the saving run)")
+    target = torch.utils.data.DataLoader(list(range(8)), batch_size=2, shuffle=True)
+    DataLoaderState(target, "dataloaders.0").load_state_dict(saved)
+    assert torch.equal(target.sampler.generator.get_state(), shuffled.sampler.generator.get_state())

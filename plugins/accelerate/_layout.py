@@ -25,8 +25,8 @@ from unickpt.checkpointer import list_checkpoints
 from unickpt.metadata import METADATA_FILE, writer_alive
 from unickpt.storage import Storage
 
-__all__ = ["STORE_DIR", "store_root", "is_unickpt_folder", "committed", "checkpoint_folders", "newest_loadable",
-           "rotate", "remove_failed", "next_step"]
+__all__ = ["STORE_DIR", "store_root", "is_unickpt_folder", "folder_kind", "committed", "checkpoint_folders",
+           "newest_number", "newest_loadable", "rotate", "remove_failed", "next_step"]
 
 log = logging.getLogger("unickpt.accelerate")
 
@@ -42,6 +42,19 @@ def store_root(output_dir: str) -> str:
 def is_unickpt_folder(output_dir: str) -> bool:
     """True when ``output_dir`` holds a unickpt root (committed or not)."""
     return os.path.isdir(store_root(output_dir))
+
+
+_NATIVE_PREFIXES = ("random_states", "model", "pytorch_model", "optimizer", "scheduler", "sampler", "scaler",
+                    "custom_checkpoint", "dl_state_dict")
+
+
+def folder_kind(output_dir: str) -> str:
+    """``"unickpt"`` (a unickpt root inside, committed or not), ``"accelerate"`` (files Accelerate's own
+    ``save_state`` writes: it always writes ``random_states_<r>.pkl``) or ``"none"``."""
+    if is_unickpt_folder(output_dir):
+        return "unickpt"
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    return "accelerate" if any(n.startswith(_NATIVE_PREFIXES) for n in names) else "none"
 
 
 def committed(output_dir: str) -> bool:
@@ -70,14 +83,23 @@ def checkpoint_folders(checkpoints_dir: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+def newest_number(checkpoints_dir: str) -> int | None:
+    """The largest ``N`` of the ``checkpoint_<N>`` folders in ``checkpoints_dir`` (loadable or not), or None."""
+    folders = checkpoint_folders(checkpoints_dir)
+    return folders[-1][0] if folders else None
+
+
 def newest_loadable(checkpoints_dir: str) -> str | None:
     """The newest ``checkpoint_<N>`` folder that can be loaded: its unickpt root has a committed
-    save, or it has no unickpt root (a checkpoint Accelerate wrote itself). Folders whose unickpt
-    save never committed (a crash, or a save still running elsewhere) are skipped with a warning."""
+    save, or it holds a checkpoint Accelerate wrote itself. Folders whose unickpt save never
+    committed (a crash, or a save still running elsewhere) and folders holding neither (a save
+    killed before it started writing) are skipped with a warning."""
     for _, path in reversed(checkpoint_folders(checkpoints_dir)):
-        if not is_unickpt_folder(path) or committed(path):
+        kind = folder_kind(path)
+        if kind == "accelerate" or (kind == "unickpt" and committed(path)):
             return path
-        log.warning("unickpt.accelerate: skipping %s: its unickpt checkpoint is not committed", path)
+        log.warning("unickpt.accelerate: skipping %s: %s", path,
+                    "its unickpt checkpoint is not committed" if kind == "unickpt" else "it holds no checkpoint")
     return None
 
 
@@ -115,15 +137,20 @@ def rotate(checkpoints_dir: str, total_limit: int, keep: str, in_flight) -> list
         keep: the folder whose save just committed; never deleted.
         in_flight: ``in_flight(path) -> bool``, whether this process still saves into ``path``.
 
-    A folder a save is still writing into is kept (and counts towards the limit). unickpt saves are
-    uncommitted first (``metadata.json`` removed), so a half-deleted folder is never loadable.
-    Returns the deleted paths.
+    Folders of saves that died before committing are deleted first, then the oldest. A folder a save
+    is still writing into is kept (and counts towards the limit). unickpt saves are uncommitted first
+    (``metadata.json`` removed), so a half-deleted folder is never loadable. Returns the deleted
+    paths, by ``N``.
     """
     folders = checkpoint_folders(checkpoints_dir)
     keep = os.path.abspath(keep)
     excess = len(folders) - total_limit
-    deleted: list[str] = []
-    for _, path in folders:
+    # leftovers of saves that died (a unickpt root with nothing committed, no writer left) go first,
+    # so that the limit keeps as many loadable checkpoints as it can; then the oldest
+    dead = [(n, p) for n, p in folders if is_unickpt_folder(p) and not committed(p)]
+    order = dead + [(n, p) for n, p in folders if (n, p) not in dead]
+    deleted: list[tuple[int, str]] = []
+    for n, path in order:
         if excess <= 0:
             break
         if os.path.abspath(path) == keep or _busy(path, in_flight):
@@ -134,8 +161,9 @@ def rotate(checkpoints_dir: str, total_limit: int, keep: str, in_flight) -> list
                 if ok:
                     os.remove(os.path.join(root, f"step_{step}", METADATA_FILE))
         shutil.rmtree(path)
-        deleted.append(path)
+        deleted.append((n, path))
         excess -= 1
-    if deleted:
-        log.info("unickpt.accelerate: total_limit=%d: deleted %s", total_limit, deleted)
-    return deleted
+    paths = [p for _, p in sorted(deleted)]
+    if paths:
+        log.info("unickpt.accelerate: total_limit=%d: deleted %s", total_limit, paths)
+    return paths

@@ -31,7 +31,7 @@ from unickpt.engine import get_engine
 
 from . import _layout
 from ._options import Options
-from ._state import build_state
+from ._state import build_state, process0_buffers
 
 __all__ = ["enable", "disable", "is_enabled", "options_for", "wait", "patch_accelerate"]
 
@@ -39,7 +39,7 @@ log = logging.getLogger("unickpt.accelerate")
 
 _lock = threading.Lock()
 _global: Options | None = None  # enable() without an accelerator
-_scoped: "weakref.WeakKeyDictionary[Any, Options]" = weakref.WeakKeyDictionary()
+_scoped: "weakref.WeakKeyDictionary[Any, Options | None]" = weakref.WeakKeyDictionary()  # None: disabled
 _originals: dict[str, Any] = {}
 
 
@@ -77,15 +77,16 @@ def enable(accelerator: Any = None, options: Options | None = None) -> Options:
 
 
 def disable(accelerator: Any = None) -> None:
-    """Back to Accelerate's own checkpointing for ``accelerator`` (None: every accelerator not
-    enabled on its own). Pending unickpt saves are waited for."""
+    """Back to Accelerate's own checkpointing for ``accelerator`` (even when unickpt is enabled for
+    every accelerator; None: every accelerator not enabled on its own). Pending unickpt saves are
+    waited for."""
     global _global
     wait()
     with _lock:
         if accelerator is None:
             _global = None
         else:
-            _scoped.pop(accelerator, None)
+            _scoped[accelerator] = None
 
 
 def wait() -> None:
@@ -166,7 +167,6 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
         if not fsdp:
             indices = _kept(original, weights)
 
-    state = build_state(acc, indices, opts)
     after = None
     limit = acc.project_configuration.total_limit
     if acc.project_configuration.automatic_checkpoint_naming and limit is not None:
@@ -174,9 +174,12 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
         after = lambda: _layout.rotate(checkpoints_dir, limit, keep, engine.in_flight)  # noqa: E731
     ckpt = _FolderCheckpointer(_layout.store_root(output_dir), after_commit=after,
                                allow_pickle=opts.allow_pickle or not safe_serialization)
-    step = engine.broadcast(_layout.next_step(output_dir) if engine.rank == 0 else None)
+    step: int | None = None
     try:
-        ckpt.save(step, state, async_save=opts.async_save)
+        state = build_state(acc, indices, opts, saving=True)  # collective on several processes
+        step = engine.broadcast(_layout.next_step(output_dir) if engine.rank == 0 else None)
+        with process0_buffers(acc, indices):  # the snapshot is taken when save() returns
+            ckpt.save(step, state, async_save=opts.async_save)
     except BaseException as e:
         if acc.project_configuration.automatic_checkpoint_naming:
             _remove_failed(engine, output_dir, step, e)  # so that the next save_state can use this iteration
@@ -189,7 +192,7 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
     return Path(output_dir)
 
 
-def _remove_failed(engine: Any, output_dir: str, step: int, error: BaseException) -> None:
+def _remove_failed(engine: Any, output_dir: str, step: int | None, error: BaseException) -> None:
     """Group rank 0 removes the folder of a save that failed at the call; when the failure was
     agreed by every rank (a bad state, a refused target: the group still works), the other ranks
     wait for it, so that none of them sees the folder in its next ``save_state``."""
@@ -198,7 +201,7 @@ def _remove_failed(engine: Any, output_dir: str, step: int, error: BaseException
     if engine.rank == 0:
         step_dir = os.path.join(_layout.store_root(output_dir), f"step_{step}")
         deadline = time.monotonic() + 30.0
-        while engine.in_flight(step_dir) and time.monotonic() < deadline:  # the failed save winds down
+        while step is not None and engine.in_flight(step_dir) and time.monotonic() < deadline:  # winds down
             time.sleep(0.01)
         try:
             _layout.remove_failed(output_dir)
@@ -226,15 +229,36 @@ def _input_dir(acc: Any, input_dir: str | None, engine: Any) -> str:
     return chosen
 
 
+def _advance_iteration(acc: Any, engine: Any, loaded: int | None) -> None:
+    """With automatic naming, point the next ``save_state`` after the loaded folder (``loaded``: its
+    saved iteration, None for a folder Accelerate wrote) and after every existing ``checkpoint_<N>``.
+    Accelerate leaves the counter alone, so its next ``save_state`` fails with "already exists"
+    (huggingface/accelerate#1601, #3306); the folder of a save that never committed (a killed run) is
+    not reused either. Collective."""
+    if not acc.project_configuration.automatic_checkpoint_naming:
+        return
+    newest = engine.broadcast(_layout.newest_number(_checkpoints_dir(acc)) if engine.rank == 0 else None)
+    candidates = [n for n in (loaded, newest) if n is not None]
+    if candidates:
+        acc.project_configuration.iteration = max(candidates) + 1
+
+
 def _load_state(acc: Any, opts: Options, input_dir: str | None, load_kwargs: dict | None, kwargs: dict) -> Any:
     from accelerate.utils import DistributedType
 
     engine = get_engine()
     engine.wait()  # a pending save commits first: it may be the one being loaded
     input_dir = _input_dir(acc, input_dir, engine)
-    if not engine.broadcast(_layout.is_unickpt_folder(input_dir) if engine.rank == 0 else None):
+    kind = engine.broadcast(_layout.folder_kind(input_dir) if engine.rank == 0 else None)
+    if kind == "none":
+        raise unickpt.CheckpointNotFoundError(
+            f"load_state: {input_dir!r} is not a checkpoint: it holds neither a unickpt/ folder nor the files of "
+            "Accelerate's own save_state (random_states_<r>.pkl, ...)")
+    if kind == "accelerate":
         log.info("unickpt.accelerate: %s holds no unickpt checkpoint; loading it with Accelerate", input_dir)
-        return _originals["load_state"](acc, input_dir, load_kwargs=load_kwargs, **kwargs)
+        result = _originals["load_state"](acc, input_dir, load_kwargs=load_kwargs, **kwargs)
+        _advance_iteration(acc, engine, None)
+        return result
     kwargs = dict(kwargs)
     kwargs.pop("map_location", None)  # tensors are loaded in place, where they already are
     if load_kwargs:
@@ -273,10 +297,7 @@ def _load_state(acc: Any, opts: Options, input_dir: str | None, load_kwargs: dic
         )
     saved = state["accelerate"]
     acc.step = int(saved["step"])
-    if acc.project_configuration.automatic_checkpoint_naming:
-        # the next save_state goes after the loaded folder (Accelerate leaves the counter alone:
-        # huggingface/accelerate#1601, #3306)
-        acc.project_configuration.iteration = int(saved["iteration"]) + 1
+    _advance_iteration(acc, engine, int(saved["iteration"]))
     if acc.scaler is not None and acc.is_fsdp2:
         acc.scaler._lazy_init_scale_growth_tracker(acc.scaler._device)
     return None
