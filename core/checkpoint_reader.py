@@ -14,7 +14,7 @@ import torch
 
 from . import codec
 from .codec import str_to_dtype
-from .errors import StateMismatchError
+from .errors import IntegrityError, StateMismatchError
 from .metadata import ChunkMeta, CheckpointMetadata, TensorMeta, read_metadata
 from .reader import read_ranges, verify_ranges
 from .resharding import Box, FlatRange, row_major_strides
@@ -78,6 +78,12 @@ class CheckpointReader:
         """The whole (unsharded) tensor ``fqn``: a new contiguous CPU tensor of the stored dtype and
         global shape. Raises IntegrityError for a missing, short or corrupt data file."""
         t = self.tensor_meta(fqn)
+        try:
+            return self._read(t)
+        except IntegrityError as e:  # name the tensor: the reader's message names only the file
+            raise IntegrityError(f"tensor {fqn!r}: {e}") from e
+
+    def _read(self, t: TensorMeta) -> torch.Tensor:
         shape = tuple(t.shape)
         out = torch.empty(shape, dtype=str_to_dtype(t.dtype))
         flat_bytes = out.reshape(-1).view(torch.uint8)

@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Sequence
 
 from .checkpointer import list_checkpoints
 from .diff import diff_checkpoints
-from .errors import UnickptError
+from .errors import RankFailuresError, UnickptError
 from .metadata import read_metadata
 from .storage import Storage
 from .verify import verify_checkpoint
@@ -72,7 +72,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     total = sum(t.nbytes for t in meta.tensors.values())
     print(f"checkpoint  {args.path}")
-    print(f"format      unickpt v{meta.format_version}   step {meta.step}   framework {meta.framework or '-'}")
+    step = "-" if meta.step is None else meta.step
+    print(f"format      unickpt v{meta.format_version}   step {step}   framework {meta.framework or '-'}")
     print(f"layout      {json.dumps(meta.layout)}")
     print(f"tensors     {len(meta.tensors)} ({_human(total)}), {len(meta.aliases)} aliases, "
           f"{len(meta.per_rank.get('fqns', []))} per-rank objects")
@@ -110,7 +111,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     if not rows:
-        print(f"no checkpoints under {args.root}")
+        hint = " (it is a checkpoint itself: see `unickpt inspect`)" if storage.exists(
+            storage.join(args.root, "metadata.json")) else ""
+        print(f"no checkpoints under {args.root}{hint}")
         return 0
     print(f"{'checkpoint':<16}{'step':>10}  {'status':<11}{'size':>10}")
     for r in rows:
@@ -207,7 +210,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
 def cmd_prune(args: argparse.Namespace) -> int:
     from .retention import prune_checkpoints
 
-    _print_removals(args, prune_checkpoints(args.root, args.keep_last, dry_run=args.dry_run))
+    skipped: list[str] = []
+    _print_removals(args, prune_checkpoints(args.root, args.keep_last, dry_run=args.dry_run, skipped=skipped))
+    for reason in skipped:  # kept although due: say why, on stderr (the result is still a success)
+        print(f"unickpt prune: kept {reason}", file=sys.stderr)
     return 0
 
 
@@ -293,12 +299,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("unickpt").setLevel(logging.INFO)
     try:
         return args.fn(args)
-    except (UnickptError, OSError, ValueError, KeyError, ImportError, RuntimeError) as e:
-        if args.debug:
+    except BaseException as e:  # any failure is exit 2, never 1 (which means damage / differences found);
+        # BaseException: torch's DCP CheckpointException derives from it
+        if args.debug or isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
             raise
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"unickpt {args.command}: {msg}", file=sys.stderr)
+        print(f"unickpt {args.command}: {_one_line(e)}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _one_line(e: BaseException) -> str:
+    """The error as one line: its message (prefixed by its type unless it is a unickpt error or a
+    usual OSError/ValueError), or, for a failed save/load, the headline plus each rank's exception
+    line without the traceback (``--debug`` shows everything)."""
+    if isinstance(e, RankFailuresError):
+        text = str(e).splitlines()[0]
+        for rank, failure in sorted(e.failures.items()):
+            lines = failure.rstrip().splitlines()
+            frames = [i for i, line in enumerate(lines) if line.startswith(" ")]
+            text += f"; rank {rank}: " + " ".join(lines[frames[-1] + 1 if frames else 0 :])
+    else:
+        text = str(e)
+        if not isinstance(e, (UnickptError, OSError, ValueError)) or not text.strip():
+            text = f"{type(e).__name__}: {text}" if text.strip() else type(e).__name__
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":  # pragma: no cover

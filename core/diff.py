@@ -22,8 +22,9 @@ __all__ = ["Difference", "diff_checkpoints", "open_checkpoint", "read_full_tenso
 class Difference:
     """One differing key: ``kind`` is missing_in_a / missing_in_b / dtype / shape / values / object.
 
-    For ``values``: ``max_abs_diff`` (max |a - b| in float64; None when the dtype has no float
-    conversion or a NaN is involved), ``elements_differ`` (elements whose bits differ) and
+    For ``values``: ``max_abs_diff`` (max |a - b| over the differing elements: exact for integer
+    dtypes, float64 otherwise; None when the dtype has no float conversion or a NaN is involved),
+    ``elements_differ`` (elements whose bits differ) and
     ``first_index`` (index of the first one, row-major).
     """
 
@@ -42,15 +43,37 @@ def read_full_tensor(path: str, fqn: str, meta: CheckpointMetadata | None = None
     return CheckpointReader(path, storage_options).read(fqn)
 
 
-def _first_difference(xa: torch.Tensor, xb: torch.Tensor) -> tuple[int, list[int]]:
-    """(number of differing elements, index of the first one), comparing bit patterns (so NaNs with
-    equal bits are equal and -0.0 differs from 0.0)."""
+def _differing(xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+    """Boolean mask over the row-major flattened tensors: elements whose bit patterns differ (so
+    NaNs with equal bits are equal and -0.0 differs from 0.0)."""
     ba, bb = xa.reshape(-1).view(torch.uint8), xb.reshape(-1).view(torch.uint8)
-    isz = xa.element_size()
-    neq = (ba != bb).view(-1, isz).any(dim=1)
+    return (ba != bb).view(-1, xa.element_size()).any(dim=1)
+
+
+def _first_difference(xa: torch.Tensor, xb: torch.Tensor) -> tuple[int, list[int]]:
+    """(number of differing elements, index of the first one), comparing bit patterns."""
+    neq = _differing(xa, xb)
     n = int(neq.sum().item())
     first = int(neq.nonzero()[0, 0].item()) if n else 0
     return n, [int(i) for i in torch.unravel_index(torch.tensor(first), xa.shape)] if xa.dim() else []
+
+
+def _max_abs_diff(xa: torch.Tensor, xb: torch.Tensor) -> float | int:
+    """max |a - b| over the elements whose bits differ (equal NaNs do not poison it). Integer
+    tensors give an exact Python int (float64 would round 2**62 + 1 to 2**62 and call it 0);
+    floating and complex tensors a float64 (nan when a NaN or an inf - inf is involved)."""
+    neq = _differing(xa, xb)
+    a, b = xa.reshape(-1)[neq], xb.reshape(-1)[neq]
+    if a.dtype == torch.bool or a.is_floating_point() or a.is_complex():
+        wide = torch.complex128 if a.is_complex() else torch.float64
+        return (a.to(wide) - b.to(wide)).abs().max().item()
+    import numpy as np  # integers: unsigned 64-bit arithmetic is exact for |a - b| < 2**64
+
+    x, y = a.numpy(), b.numpy()
+    if x.itemsize < 8:
+        x, y = x.astype(np.int64), y.astype(np.int64)
+    hi, lo = np.maximum(x, y), np.minimum(x, y)
+    return int((hi - lo).view(np.uint64).max())
 
 
 class _StateSource:
@@ -108,7 +131,8 @@ def diff_checkpoints(a: str, b: str, *, atol: float = 0.0, storage_options: dict
     ``a`` and ``b`` are unickpt checkpoints or, to check a conversion, checkpoints of another
     format (see :func:`open_checkpoint`; reading some of them needs ``allow_pickle``). Values are
     compared bitwise (NaNs with equal bits are equal) unless ``atol`` > 0 (then ``max |a - b| <= atol``
-    in float64 passes); every differing tensor reports its max abs diff, the number of differing
+    over the differing elements passes; exact for integers, float64 otherwise); every differing
+    tensor reports its max abs diff, the number of differing
     elements and the first differing index. One tensor per unickpt checkpoint is in memory at a
     time; ``progress(done, total)`` is called with the bytes (of ``a``) compared so far.
 
@@ -140,13 +164,13 @@ def diff_checkpoints(a: str, b: str, *, atol: float = 0.0, storage_options: dict
         n, first = _first_difference(xa, xb)
         if n == 0:
             continue
-        wide = torch.complex128 if xa.is_complex() else torch.float64
         try:
-            diff = (xa.to(wide) - xb.to(wide)).abs().max().item()
+            diff = _max_abs_diff(xa, xb)
         except (RuntimeError, TypeError):  # dtypes without a float conversion
             diff = float("nan")
         if not (atol > 0 and diff <= atol):
-            detail = (f"max |a-b| = {diff:.6g}, {n} of {xa.numel()} elements differ, "
+            shown = str(diff) if isinstance(diff, int) else f"{diff:.6g}"
+            detail = (f"max |a-b| = {shown}, {n} of {xa.numel()} elements differ, "
                       f"first at {first}: {_item(xa, first)} vs {_item(xb, first)}")
             out.append(Difference(key, "values", detail, None if math.isnan(diff) else diff, n, first))
     obj_a, obj_b = ra.objects(), rb.objects()
@@ -158,4 +182,10 @@ def diff_checkpoints(a: str, b: str, *, atol: float = 0.0, storage_options: dict
 
 
 def _item(x: torch.Tensor, index: list[int]) -> str:
-    return repr((x[tuple(index)] if index else x).item())
+    """The element at ``index``; its raw bits in hex for dtypes torch cannot turn into a Python
+    number (``float4_e2m1fn_x2``)."""
+    v = x[tuple(index)] if index else x
+    try:
+        return repr(v.item())
+    except (RuntimeError, TypeError):
+        return "0x" + bytes(v.reshape(1).view(torch.uint8).tolist()[::-1]).hex()

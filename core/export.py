@@ -21,6 +21,7 @@ temporary name and renamed; the index is written last.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -100,11 +101,19 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 
 def select_keys(keys: list[str], prefix: str | None, strip: bool = True) -> dict[str, str]:
     """``{output name: fqn}`` for the fqns equal to ``prefix`` or under ``prefix.`` (all when None),
-    the prefix removed from the name when ``strip``. Raises UnickptError when nothing matches."""
+    the prefix removed from the name when ``strip``. Raises UnickptError when nothing matches or
+    when two fqns would get the same name."""
     if prefix is None or prefix.strip(".") == "":
         return {k: k for k in keys}
     p = prefix.rstrip(".")
-    chosen = {(k[len(p) + 1 :] if strip and k != p else k): k for k in keys if k == p or k.startswith(p + ".")}
+    chosen: dict[str, str] = {}
+    for k in keys:
+        if k == p or k.startswith(p + "."):
+            name = k[len(p) + 1 :] if strip and k != p else k
+            if name in chosen:  # {"model": t, "model.model": u}: both would be named "model"
+                raise UnickptError(f"{chosen[name]!r} and {k!r} would both be exported as {name!r}; "
+                                   "use --keep-prefix or a longer --keys prefix")
+            chosen[name] = k
     if not chosen:
         sample = ", ".join(sorted({k.split(".")[0] for k in keys})[:8])
         raise UnickptError(f"no tensor fqn starts with {p!r}; top-level keys are: {sample}")
@@ -126,8 +135,24 @@ def _plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]
     return shards
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
+def _cast(t: torch.Tensor, dtype: torch.dtype | None, fqn: str) -> torch.Tensor:
+    """``t`` cast to ``dtype`` when both are floating point. Raises UnickptError naming ``fqn`` when
+    a finite value overflows to +-inf in ``dtype`` (e.g. 1e5 in float16, whose max is 65504):
+    the cast is asked for, its overflow is not."""
+    if dtype is None or not t.is_floating_point() or t.dtype == dtype:
+        return t
+    out = t.to(dtype)
+    try:
+        finite = torch.isfinite(t)
+    except (RuntimeError, TypeError):  # float8_*: no isfinite kernel; a widening copy has one
+        finite = torch.isfinite(t.to(torch.float64))
+    bad = finite & ~torch.isfinite(out)
+    if bad.any():
+        first = int(bad.reshape(-1).nonzero()[0, 0])
+        index = [int(i) for i in torch.unravel_index(torch.tensor(first), t.shape)] if t.dim() else []
+        raise UnickptError(f"{fqn!r}: {int(bad.sum())} value(s) overflow {dtype} (max {torch.finfo(dtype).max:g}), "
+                           f"e.g. {t.reshape(-1)[first].item()!r} at {index}; export with a wider --dtype or none")
+    return out
 
 
 def _out_dtype(src: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
@@ -152,8 +177,10 @@ def export_checkpoint(path: str, out: str, *, format: str = "safetensors", max_s
         verify: check every chunk against its checksum while reading.
         progress: ``progress(done, total)`` (bytes written so far, bytes to write), after each tensor.
 
-    Returns an :class:`ExportResult`. Raises UnickptError (no matching key, existing output files, a
-    dtype safetensors cannot store), ValueError (bad size or dtype), and the reader's errors.
+    Returns an :class:`ExportResult`. Raises UnickptError (no tensor or no matching key, existing
+    output files, ``out`` inside the checkpoint, a dtype safetensors cannot store, a value overflowing
+    the ``dtype`` cast), ValueError (bad size or dtype), and the reader's errors; on any error the
+    shards already written by this call are removed again.
     """
     if format not in _LAYOUT:
         raise ValueError(f"export format {format!r} is not one of {', '.join(_LAYOUT)}")
@@ -161,8 +188,21 @@ def export_checkpoint(path: str, out: str, *, format: str = "safetensors", max_s
     cast = parse_dtype(dtype)
     reader = CheckpointReader(path, storage_options, verify=verify)
     names = select_keys(reader.keys(), keys, strip_prefix)
+    if not names:
+        raise UnickptError(f"{path!r} holds no tensors (only plain values); there is nothing to export")
+    if format == "safetensors" and "__metadata__" in names:  # the header's reserved key
+        raise UnickptError(f"{names['__metadata__']!r} would be exported as '__metadata__', which safetensors "
+                           "reserves; use --keep-prefix or --format torch")
     order = sorted(names)
     out_dtypes = {n: _out_dtype(reader.dtype(names[n]), cast) for n in order}
+    for n in order:  # before writing anything: a conversion torch does not have (packed float4)
+        src = reader.dtype(names[n])
+        if out_dtypes[n] != src:
+            try:
+                torch.empty(1, dtype=src).to(out_dtypes[n])
+            except (RuntimeError, TypeError):
+                raise UnickptError(f"{names[n]!r}: torch cannot cast {src} to {out_dtypes[n]}; "
+                                   "export without --dtype, or select other tensors with --keys") from None
     if format == "safetensors":
         bad = sorted(n for n in order if out_dtypes[n] not in SAFETENSORS_DTYPES)
         if bad:
@@ -174,6 +214,12 @@ def export_checkpoint(path: str, out: str, *, format: str = "safetensors", max_s
     files = [f"{stem}{ext}"] if len(shards) == 1 else \
         [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{ext}" for i in range(len(shards))]
     index = f"{stem}{ext}.index.json" if len(shards) > 1 else None
+    if os.path.isdir(path):
+        real_out, real_ckpt = os.path.realpath(out), os.path.realpath(path)
+        if os.path.commonpath([real_out, real_ckpt]) == real_ckpt:
+            raise UnickptError(f"output directory {out!r} is inside the checkpoint {path!r}; "
+                               "a committed checkpoint is never modified: export elsewhere")
+    created = not os.path.isdir(out)
     os.makedirs(out, exist_ok=True)
     clash = sorted(f for f in os.listdir(out) if f.startswith(stem) and (f.endswith(ext) or f.endswith(".index.json")))
     if clash:  # also an earlier export with another shard count: never mix two models' shards
@@ -188,31 +234,42 @@ def export_checkpoint(path: str, out: str, *, format: str = "safetensors", max_s
         if progress:
             progress(written[0], total)
 
-    for file, shard in zip(files, shards):
-        final = os.path.join(out, file)
-        tmp = final + ".tmp"
-        try:
-            if format == "safetensors":
-                _write_safetensors(tmp, reader, names, shard, out_dtypes, cast, advance)
-            else:
-                sd = {}
-                for n in shard:
-                    sd[n] = _cast(reader.read(names[n]), cast)
-                    advance(size_of[n])
-                torch.save(sd, tmp)
-                del sd
-            os.replace(tmp, final)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        for n in shard:
-            result.weight_map[n] = file
-        result.total_bytes += sum(size_of[n] for n in shard)
-    if index is not None:
-        doc = {"metadata": {"total_size": result.total_bytes}, "weight_map": dict(sorted(result.weight_map.items()))}
-        with open(os.path.join(out, index), "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+    done: list[str] = []  # shards renamed into place: removed again if a later one fails
+    try:
+        for file, shard in zip(files, shards):
+            final = os.path.join(out, file)
+            tmp = f"{final}.tmp-{os.getpid()}"  # concurrent exports into one directory never share a file
+            try:
+                if format == "safetensors":
+                    _write_safetensors(tmp, reader, names, shard, out_dtypes, cast, advance)
+                else:
+                    sd = {}
+                    for n in shard:
+                        sd[n] = _cast(reader.read(names[n]), cast, names[n])
+                        advance(size_of[n])
+                    torch.save(sd, tmp)
+                    del sd
+                os.replace(tmp, final)
+                done.append(final)
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+            for n in shard:
+                result.weight_map[n] = file
+            result.total_bytes += sum(size_of[n] for n in shard)
+        if index is not None:
+            doc = {"metadata": {"total_size": result.total_bytes}, "weight_map": dict(sorted(result.weight_map.items()))}
+            with open(os.path.join(out, index), "w") as f:
+                json.dump(doc, f, indent=2)
+                f.write("\n")
+    except BaseException:  # never leave part of a model behind (shards without their index)
+        for final in done:
+            with contextlib.suppress(OSError):
+                os.remove(final)
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(out)  # only when empty
+        raise
     return result
 
 
@@ -233,7 +290,7 @@ def _write_safetensors(file: str, reader: CheckpointReader, names: dict[str, str
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for n in shard:
-            t = _cast(reader.read(names[n]), cast).contiguous()
+            t = _cast(reader.read(names[n]), cast, names[n]).contiguous()
             if t.dtype != out_dtypes[n]:  # cannot happen: guards the header's promise
                 raise UnickptError(f"{names[n]!r}: read as {t.dtype}, the header says {out_dtypes[n]}")
             if t.numel():

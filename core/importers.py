@@ -102,7 +102,16 @@ def detect_source(src: str) -> str:
 
 
 def _torch_load(path: str, allow_pickle: bool) -> Any:
-    """``torch.load`` on the CPU, memory-mapped when the file is in the zip format."""
+    """``torch.load`` on the CPU, memory-mapped when the file is in the zip format.
+
+    Raises UnickptError naming ``path`` when it is not a ``torch.save`` file (neither a zip archive
+    nor a pickle stream; checked before any unpickling) or cannot be read as one (truncated, corrupt),
+    UnsafeObjectError when it holds objects beyond tensors and containers and not ``allow_pickle``."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    # torch.save writes a zip archive (PK\x03\x04; torch >= 1.6) or, legacy, pickles starting with PROTO (0x80)
+    if head != b"PK\x03\x04" and head[:1] != b"\x80":
+        raise UnickptError(f"{path}: not a torch.save file (it starts with {head!r}, not a zip archive or a pickle)")
     try:
         try:
             return torch.load(path, map_location="cpu", weights_only=not allow_pickle, mmap=True)
@@ -115,7 +124,8 @@ def _torch_load(path: str, allow_pickle: bool) -> Any:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UnsafeObjectError(f"{path}: holds objects beyond tensors and containers ({first[:160]}); "
                                     "rerun with --allow-pickle (allow_pickle=True) if you trust the file") from None
-        raise
+        first = " ".join(str(e).split())[:200]
+        raise UnickptError(f"{path}: cannot be read as a torch.save file ({type(e).__name__}: {first})") from e
 
 
 def load_safetensors(path: str) -> dict[str, torch.Tensor]:
@@ -184,8 +194,23 @@ def _read_dcp(src: str) -> dict:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    if not os.path.isfile(os.path.join(src, ".metadata")):
+        raise UnickptError(f"{src!r} is not a DCP checkpoint directory: it has no .metadata file")
+    try:  # first on its own: torch's loader logs each failed attempt's traceback on the root logger
+        FileSystemReader(src).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a corrupt pickle raises anything
+        raise UnickptError(f"{os.path.join(src, '.metadata')}: not readable as DCP metadata "
+                           f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from e
     state: dict = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(src), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    try:
+        _load_state_dict(state, storage_reader=FileSystemReader(src), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except Exception as e:  # noqa: BLE001 - below
+        raise UnickptError(f"{src}: reading the DCP checkpoint failed: {' '.join(str(e).split())[:300]}") from e
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
+        lines = [line for line in str(e).splitlines() if line.strip() and not line.startswith(" ")]
+        raise UnickptError(f"{src}: reading the DCP checkpoint failed: {(lines or [type(e).__name__])[-1][:300]}") from e
     return state
 
 
@@ -265,7 +290,7 @@ def import_checkpoint(src: str, out: str, *, source: str | None = None, allow_pi
 
     ``prefix`` nests the whole state under that key; ``step`` is recorded in ``metadata.json``
     (default: ``N`` when ``out`` is named ``step_<N>``, and then ``latest`` of its root is updated
-    as after a :class:`~unickpt.Checkpointer` save).
+    as after a :class:`~unickpt.Checkpointer` save; another ``step`` than ``N`` is an error).
     Plain values only pickle can express (e.g. an ``argparse.Namespace`` in Megatron's
     ``common.pt``) are stored as pickles when ``allow_pickle`` (loading them needs it again), else
     the save raises UnsafeObjectError naming the key. Raises UnickptError / UnsafeObjectError as
@@ -277,11 +302,18 @@ def import_checkpoint(src: str, out: str, *, source: str | None = None, allow_pi
     from .storage import Storage
 
     out = os.fspath(out)
+    local = Storage(out, storage_options).is_local
+    root, dir_step = step_of(os.path.abspath(out) if local else out)  # a relative `step_5` has a root too
+    name = out.rstrip("/").rpartition("/")[2]
+    if dir_step is not None and name != f"step_{dir_step}":  # `latest`, ls and load name it step_<N>
+        raise UnickptError(f"{out!r}: name it step_{dir_step}; a run's checkpoints are step_<N> without leading zeros")
+    if step is not None and dir_step is not None and step != dir_step:
+        raise UnickptError(f"--step {step} contradicts the directory name step_{dir_step} of {out!r}, by which "
+                           "`ls`, `latest` and Checkpointer.load know it; drop --step or rename the target")
     kind = source or detect_source(os.fspath(src))
     state = read_source(src, kind, allow_pickle=allow_pickle, tag=tag)
     if prefix:
         state = {prefix: state}
-    root, dir_step = step_of(out)
     with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the report (--json)
         save(out, state, storage_options=storage_options, step=dir_step if step is None else step,
              allow_pickle=allow_pickle).wait()

@@ -11,8 +11,10 @@ The rules (the same as :class:`~unickpt.Checkpointer`'s retention, see docs/form
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 from dataclasses import dataclass
 
 from .checkpointer import LATEST_FILE, list_checkpoints
@@ -63,6 +65,9 @@ def _foreign_entry(storage: Storage, path: str) -> str | None:
 def _check_removable(storage: Storage, path: str) -> bool:
     """Raise UnickptError unless ``path`` is a unickpt checkpoint directory nobody is writing.
     Returns whether it is committed."""
+    if storage.is_local and os.path.islink(storage.strip(path)):  # prune: its target may be another run's
+        raise UnickptError(f"{path!r} is a symbolic link to {os.readlink(storage.strip(path))!r}; "
+                           "not removing it or its target")
     if not storage.isdir(path):
         raise UnickptError(f"{path!r} is not a directory")
     foreign = _foreign_entry(storage, path)
@@ -75,14 +80,37 @@ def _check_removable(storage: Storage, path: str) -> bool:
 
 
 def _delete(storage: Storage, path: str) -> None:
-    storage.rm(storage.join(path, METADATA_FILE))  # uncommit first
-    storage.rm(path)
+    """Uncommit ``path`` (remove ``metadata.json``), then remove its tree. Entries that vanish
+    meanwhile (another ``prune``/``rm``, or a Checkpointer's retention, removing it too) are fine."""
+    if not storage.is_local:
+        storage.rm(storage.join(path, METADATA_FILE))  # uncommit first
+        storage.rm(path)
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(storage.strip(storage.join(path, METADATA_FILE)))  # uncommit first
+
+    def gone_is_fine(func, name, exc_info):
+        if not issubclass(exc_info[0], FileNotFoundError):
+            raise exc_info[1]
+
+    shutil.rmtree(storage.strip(path), onerror=gone_is_fine)
 
 
 def update_latest(storage: Storage, root: str, storage_options: dict | None = None) -> None:
-    """Point ``root/latest`` at the newest committed ``step_<N>`` under ``root`` (remove it when there is none)."""
+    """Point ``root/latest`` at the newest committed ``step_<N>`` under ``root`` (remove it when there is none).
+
+    ``latest`` is left alone while it names a committed checkpoint at least as new as every one
+    listed here: a save committing step N+1 meanwhile (and writing ``latest``) is never undone by
+    this rewrite to an older step."""
     committed = [s for s, ok in list_checkpoints(root, storage_options) if ok]
     latest = storage.join(root, LATEST_FILE)
+    try:
+        current = step_of(storage.read_bytes(latest).decode().strip())[1]
+    except (OSError, UnicodeDecodeError):
+        current = None
+    if current is not None and storage.exists(storage.join(root, f"step_{current}", METADATA_FILE)) \
+            and (not committed or current >= max(committed)):
+        return
     if committed:
         storage.write_atomic(latest, f"step_{max(committed)}".encode())
     else:
@@ -93,12 +121,15 @@ def remove_checkpoint(path: str, *, force: bool = False, dry_run: bool = False,
                       storage_options: dict | None = None) -> Removal:
     """Remove the checkpoint directory ``path`` (committed or left by a crashed save).
 
-    The newest committed ``step_<N>`` of its root needs ``force=True``; a directory being written
-    or holding foreign files is refused even then. ``latest`` is updated afterwards. Raises
-    UnickptError naming the reason for a refusal.
+    A local ``path`` is resolved first (relative paths, ``.``, symlinks: the target goes, a symlink
+    itself stays), so the rules apply to the real directory: the newest committed ``step_<N>`` of
+    its root needs ``force=True``; a directory being written or holding foreign files is refused
+    even then. ``latest`` is updated afterwards. Raises UnickptError naming the reason for a refusal.
     """
     path = os.fspath(path).rstrip("/")
     storage = Storage(path, storage_options)
+    if storage.is_local:  # `step_3`, `run/step_3/.`, a symlink: the real directory, so its root is known
+        path = os.path.realpath(storage.strip(path))
     committed = _check_removable(storage, path)
     root, step = step_of(path)
     if step is not None and committed and root:
@@ -107,22 +138,27 @@ def remove_checkpoint(path: str, *, force: bool = False, dry_run: bool = False,
             raise UnickptError(f"{path!r} is the newest committed checkpoint of {root!r}; use --force to remove it")
     removal = Removal(path, step, committed, "requested")
     if not dry_run:
-        _delete(storage, path)
-        if step is not None and root and (committed or storage.exists(storage.join(root, LATEST_FILE))):
-            update_latest(storage, root, storage_options)
+        try:
+            _delete(storage, path)
+        finally:  # also when the tree could not be removed after the uncommit: `latest` never names it
+            if step is not None and root and (committed or storage.exists(storage.join(root, LATEST_FILE))):
+                update_latest(storage, root, storage_options)
     return removal
 
 
 def prune_checkpoints(root: str, keep_last: int, *, dry_run: bool = False,
-                      storage_options: dict | None = None) -> list[Removal]:
+                      storage_options: dict | None = None, skipped: list[str] | None = None) -> list[Removal]:
     """Retention for the root ``root``: remove the oldest committed ``step_<N>`` beyond the newest
     ``keep_last`` (never the newest), and incomplete ones older than the newest commit whose writer
     is dead (crashed saves). Directories holding foreign files, or being written, are skipped.
-    Returns what was (``dry_run``: would be) removed, oldest first."""
+    Returns what was (``dry_run``: would be) removed, oldest first; ``skipped`` (when given)
+    receives the reason for each directory due for removal that was kept (one line each)."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     root = os.fspath(root).rstrip("/")
     storage = Storage(root, storage_options)
+    if storage.is_local:
+        root = os.path.realpath(storage.strip(root))
     if not storage.isdir(root):
         raise UnickptError(f"{root!r} is not a directory")
     entries = list_checkpoints(root, storage_options)
@@ -141,7 +177,13 @@ def prune_checkpoints(root: str, keep_last: int, *, dry_run: bool = False,
             continue
         try:
             _check_removable(storage, path)
-        except UnickptError:
+        except UnickptError as e:
+            if not storage.exists(path):
+                continue  # removed meanwhile by someone else: nothing to do, nothing to report
+            if skipped is not None:
+                skipped.append(str(e))
+            continue
+        except FileNotFoundError:  # vanished while being looked at (a concurrent prune)
             continue
         out.append(Removal(path, step, ok, reason))
         if not dry_run:

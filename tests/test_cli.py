@@ -95,3 +95,11 @@ def test_diff_names_keys_dtypes_shapes_and_value_differences(tmp_path, capsys):
     assert main(["diff", str(a), str(b), "--atol", "0.01"]) == 1
     out = capsys.readouterr().out
     assert "model.w" not in out and "lr" in out
+
+
+def test_ls_of_a_checkpoint_and_inspect_of_one_without_step(tmp_path, capsys):
+    unickpt.save(tmp_path / "c", {"w": torch.zeros(2)})
+    assert main(["ls", str(tmp_path / "c")]) == 0
+    assert capsys.readouterr().out == f"no checkpoints under {tmp_path / 'c'} (it is a checkpoint itself: see `unickpt inspect`)\n"
+    assert main(["inspect", str(tmp_path / "c")]) == 0
+    assert "unickpt v1   step -   framework -" in capsys.readouterr().out

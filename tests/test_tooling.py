@@ -416,3 +416,203 @@ def test_export_holds_one_tensor_at_a_time(tmp_path):
     assert growth < 56 << 20, f"export grew the process by {growth >> 20} MB for a 128 MB model of 16 MB tensors"
     got = load_file(str(tmp_path / "o" / "model.safetensors"))
     assert got.keys() == layers.keys() and all(torch.equal(got[k], v) for k, v in layers.items())
+
+
+# -- regressions found by breaking the tools as a new user -------------------------------------------
+def _corrupt(path, fqn: str) -> None:
+    meta = json.loads((path / "metadata.json").read_text())
+    chunk = meta["tensors"][fqn]["chunks"][0]
+    data = path / chunk["file"]
+    raw = bytearray(data.read_bytes())
+    raw[chunk["byte_offset"]] ^= 1
+    data.write_bytes(bytes(raw))
+
+
+def test_a_failed_export_leaves_no_partial_model_and_names_the_tensor(tmp_path, capsys):
+    unickpt.save(tmp_path / "c", {"a": torch.ones(4), "b": torch.ones(4), "c": torch.arange(4.0), "d": torch.ones(4)})
+    _corrupt(tmp_path / "c", "c")
+    for fmt in ("safetensors", "torch"):  # 4 shards of one tensor: a and b are written before c fails
+        out = tmp_path / f"o_{fmt}"
+        assert main(["export", str(tmp_path / "c"), str(out), "--format", fmt, "--max-shard-size", "16B"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("unickpt export: tensor 'c': ") and "checksum" in err and err.count("\n") == 1, err
+        assert not out.exists()  # no shards without their index (a rerun would refuse "already exists")
+    os.makedirs(tmp_path / "mine")
+    (tmp_path / "mine" / "README").write_text("keep")
+    with pytest.raises(UnickptError, match="tensor 'c': "):
+        export_checkpoint(str(tmp_path / "c"), str(tmp_path / "mine"), max_shard_size=16)
+    assert os.listdir(tmp_path / "mine") == ["README"]  # the user's directory and files stay
+
+
+def test_export_refuses_overflowing_casts_empty_exports_and_name_clashes(tmp_path):
+    big = torch.tensor([1.0, 7e4, float("inf"), float("nan")])  # inf and nan stay themselves: fine
+    f8 = torch.tensor([0.5, -448.0]).to(torch.float8_e4m3fn)  # torch has no isfinite for float8
+    unickpt.save(tmp_path / "c", {"model": {"w": big, "ok": torch.tensor([1.0, float("-inf")]), "f8": f8}})
+    with pytest.raises(UnickptError, match=r"^'model.w': 1 value\(s\) overflow torch.float16 \(max 65504\), "
+                                           r"e.g. 70000.0 at \[1\]; export with a wider --dtype or none$"):
+        export_checkpoint(str(tmp_path / "c"), str(tmp_path / "fp16"), dtype="fp16")
+    assert not (tmp_path / "fp16").exists()
+    export_checkpoint(str(tmp_path / "c"), str(tmp_path / "bf16"), dtype="bf16")  # fits bfloat16's range
+    got = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    assert _bits_equal(got["model.w"], big.to(torch.bfloat16)) and _bits_equal(got["model.f8"], f8.to(torch.bfloat16))
+    unickpt.save(tmp_path / "fp4", {"q": torch.tensor([1, 2], dtype=torch.uint8).view(torch.float4_e2m1fn_x2)})
+    with pytest.raises(UnickptError, match=r"'q': torch cannot cast torch.float4_e2m1fn_x2 to torch.bfloat16"):
+        export_checkpoint(str(tmp_path / "fp4"), str(tmp_path / "q4"), format="torch", dtype="bf16")
+    assert not (tmp_path / "q4").exists()
+    unickpt.save(tmp_path / "plain", {"step": 3, "lr": 0.1})
+    with pytest.raises(UnickptError, match="holds no tensors .only plain values.; there is nothing to export"):
+        export_checkpoint(str(tmp_path / "plain"), str(tmp_path / "p"))
+    assert not (tmp_path / "p").exists()
+    unickpt.save(tmp_path / "clash", {"model": torch.ones(1), "model.model": torch.zeros(1)})
+    with pytest.raises(UnickptError, match="'model' and 'model.model' would both be exported as 'model'"):
+        export_checkpoint(str(tmp_path / "clash"), str(tmp_path / "q"), keys="model")
+    assert export_checkpoint(str(tmp_path / "clash"), str(tmp_path / "q"), keys="model", strip_prefix=False).weight_map \
+        == {"model": "model.safetensors", "model.model": "model.safetensors"}
+    with pytest.raises(UnickptError, match="is inside the checkpoint"):  # never write into a committed checkpoint
+        export_checkpoint(str(tmp_path / "c"), str(tmp_path / "c" / "hf"))
+    assert sorted(os.listdir(tmp_path / "c")) == [".unickpt-writer", "data", "metadata.json"]
+
+
+def test_diff_max_abs_diff_is_exact_for_integers_and_ignores_equal_nans(tmp_path, capsys):
+    i64 = torch.tensor([2**62, 5])
+    u64 = torch.tensor([0, 1], dtype=torch.int64).to(torch.uint64)
+    u64_b = u64.clone()
+    u64_b.view(torch.int64)[1] = -1  # 2**64 - 1
+    nan = torch.tensor([float("nan"), 1.0], dtype=torch.float64)
+    fp4 = torch.tensor([1, 2], dtype=torch.uint8)  # no .item() in torch: shown as raw bits
+    unickpt.save(tmp_path / "a", {"i": i64, "u": u64, "x": nan, "q": fp4.view(torch.float4_e2m1fn_x2)})
+    unickpt.save(tmp_path / "b", {"i": i64 + torch.tensor([1, 0]), "u": u64_b, "x": nan + torch.tensor([0.0, 1e-12]),
+                                  "q": (fp4 + 1).view(torch.float4_e2m1fn_x2)})
+    # float64 would round 2**62 + 1 to 2**62 and call the difference 0, hiding it from --atol 0.5
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--atol", "0.5", "--json"]) == 1
+    got = {d["key"]: d for d in json.loads(capsys.readouterr().out)}
+    assert set(got) == {"i", "u", "q"}  # x: its NaN is bitwise equal on both sides, 1e-12 <= 0.5
+    assert got["q"]["detail"] == "max |a-b| = nan, 2 of 2 elements differ, first at [0]: 0x01 vs 0x02"
+    assert (got["i"]["max_abs_diff"], got["i"]["first_index"]) == (1, [0])
+    assert got["u"]["max_abs_diff"] == 2**64 - 2
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    assert "max |a-b| = 1, 1 of 2 elements differ, first at [0]: 4611686018427387904 vs 4611686018427387905" \
+        in capsys.readouterr().out
+
+
+def test_import_errors_are_one_line_exit_2_and_never_ask_to_unpickle_a_non_torch_file(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("hello, not a checkpoint\n")
+    torch.save({"w": torch.ones(300)}, tmp_path / "w.pt")
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "w.pt").read_bytes()[:200])
+    torch.save({"x.y": torch.ones(1), "x": {"y": torch.zeros(1)}}, tmp_path / "clash.pt")  # both are fqn x.y
+    cases = [(["notes.txt"], "notes.txt: not a torch.save file (it starts with b'hell', not a zip archive or a pickle)"),
+             (["notes.txt", "--allow-pickle"], "notes.txt: not a torch.save file"),  # was a traceback, exit 1
+             (["cut.pt"], "cut.pt: cannot be read as a torch.save file (RuntimeError: PytorchStreamReader failed"),
+             (["clash.pt"], "failed on rank(s) [0]; nothing was committed; rank 0: ValueError: two entries of the "
+                            "state map to the fqn 'x.y': ('x.y',) and ('x', 'y'); rename one")]
+    for i, (argv, want) in enumerate(cases):
+        src, *opts = argv
+        assert main(["import", str(tmp_path / src), str(tmp_path / f"u{i}"), *opts]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("unickpt import: ") and want in err and err.count("\n") == 1, err
+        assert "Traceback" not in err and "--allow-pickle" not in err, err
+    assert main(["diff", str(tmp_path / "notes.txt"), str(tmp_path / "w.pt")]) == 2
+    assert "not a torch.save file" in capsys.readouterr().err
+
+
+def test_rm_applies_the_commit_rules_to_relative_paths_and_symlinks(tmp_path, capsys, monkeypatch):
+    root = _run_dir(tmp_path, [1, 2])
+    os.symlink(root / "step_2", tmp_path / "link")
+    monkeypatch.chdir(root)
+    for path in ("step_2", "step_2/.", str(tmp_path / "link")):  # all three are the newest commit
+        assert main(["rm", path]) == 2, path
+        assert "is the newest committed checkpoint of" in capsys.readouterr().err
+    assert (root / "step_2" / "metadata.json").exists() and (root / "latest").read_text() == "step_2"
+    assert main(["rm", str(tmp_path / "link"), "--force"]) == 0  # the real directory goes, latest follows
+    assert sorted(os.listdir(root)) == ["latest", "step_1"] and (root / "latest").read_text() == "step_1"
+    assert main(["rm", "step_1", "--force"]) == 0
+    assert os.listdir(root) == []  # no commit left: no latest
+
+
+def test_prune_says_why_it_kept_a_directory(tmp_path, capsys):
+    root = _run_dir(tmp_path, [1, 2, 3])
+    (root / "step_1" / "notes.txt").write_text("mine")
+    assert main(["prune", str(root), "--keep-last", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert re.findall(r"removed \S+/(step_\d+)", out) == ["step_2"]
+    assert err == f"unickpt prune: kept {str(root / 'step_1')!r} holds 'notes.txt', which no unickpt save writes; " \
+                  "not removing it\n"
+
+
+def test_import_into_a_relative_step_dir_updates_latest_and_refuses_a_contradicting_step(tmp_path, monkeypatch, capsys):
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    os.makedirs(tmp_path / "run")
+    monkeypatch.chdir(tmp_path / "run")
+    import_checkpoint(str(tmp_path / "w.pt"), "step_5")
+    assert (tmp_path / "run" / "latest").read_text() == "step_5"
+    assert main(["import", str(tmp_path / "w.pt"), "step_7", "--step", "3"]) == 2
+    assert capsys.readouterr().err == "unickpt import: --step 3 contradicts the directory name step_7 of 'step_7', by " \
+        "which `ls`, `latest` and Checkpointer.load know it; drop --step or rename the target\n"
+    with pytest.raises(UnickptError, match=r"'step_0100': name it step_100; a run's checkpoints are step_<N> without"):
+        import_checkpoint(str(tmp_path / "w.pt"), "step_0100")  # latest would name a step_100 that does not exist
+    assert sorted(os.listdir(tmp_path / "run")) == ["latest", "step_5"]
+
+
+def test_concurrent_prunes_both_succeed_and_latest_never_goes_back(tmp_path, monkeypatch):
+    import threading
+
+    from unickpt import retention
+    from unickpt.retention import prune_checkpoints, update_latest
+    from unickpt.storage import Storage
+
+    for trial in range(3):  # two prunes of one root at once (a cron job and a person, say)
+        root = tmp_path / f"run{trial}"
+        for i in range(1, 21):
+            os.makedirs(root / f"step_{i}" / "data")
+            for j in range(20):
+                (root / f"step_{i}" / "data" / f"0_{j}.bin").write_bytes(b"x")
+            (root / f"step_{i}" / "metadata.json").write_text("{}")
+        (root / "latest").write_text("step_20")
+        errors: list = []
+
+        def prune(root=root):
+            try:
+                prune_checkpoints(str(root), 1)
+            except Exception as e:  # noqa: BLE001 - the test reports it
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=prune) for _ in range(2)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert not errors and sorted(os.listdir(root)) == ["latest", "step_20"], errors
+    # a save commits step_3 (and writes latest) after update_latest listed the root: not undone
+    root = _run_dir(tmp_path / "r", [1, 2, 3])
+    monkeypatch.setattr(retention, "list_checkpoints", lambda *a, **k: [(1, True), (2, True)])
+    update_latest(Storage(str(root)), str(root))
+    assert (root / "latest").read_text() == "step_3"
+
+
+def test_import_of_a_broken_dcp_directory_is_one_line_exit_2(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    (tmp_path / "dcp" / "__0_0.distcp").unlink()  # torch raises CheckpointException, a BaseException
+    os.makedirs(tmp_path / "junk")
+    (tmp_path / "junk" / ".metadata").write_bytes(b"not a pickle")
+    cases = [("dcp", "dcp: reading the DCP checkpoint failed: FileNotFoundError: [Errno 2] No such file or directory"),
+             ("junk", "junk/.metadata: not readable as DCP metadata (UnpicklingError"),
+             ("w.pt", "'w.pt' is not a DCP checkpoint directory: it has no .metadata file")]
+    torch.save({"w": torch.ones(1)}, tmp_path / "w.pt")
+    for i, (src, want) in enumerate(cases):
+        assert main(["import", str(tmp_path / src), str(tmp_path / f"u{i}"), "--source", "dcp", "--allow-pickle"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("unickpt import: ") and want in err.replace(str(tmp_path) + "/", "") \
+            and err.count("\n") == 1, err
+
+
+def test_prune_never_follows_a_symlinked_step_dir_into_another_run(tmp_path, capsys):
+    root = _run_dir(tmp_path, [2, 3])
+    other = unickpt.Checkpointer(tmp_path / "other", async_save=False)
+    other.save(1, {"w": torch.ones(4)})  # the only (newest) checkpoint of another run
+    os.symlink(tmp_path / "other" / "step_1", root / "step_1")
+    assert main(["prune", str(root), "--keep-last", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert re.findall(r"removed \S+/(step_\d+)", out) == ["step_2"]
+    assert err == f"unickpt prune: kept {str(root / 'step_1')!r} is a symbolic link to " \
+                  f"{str(tmp_path / 'other' / 'step_1')!r}; not removing it or its target\n"
+    assert (tmp_path / "other" / "step_1" / "metadata.json").exists()  # was uncommitted, then rmtree refused
