@@ -27,7 +27,9 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 CONFIGS = {  # name -> (ZeRO stage, bf16)
     "z0": (0, False), "z1": (1, False), "z2": (2, False), "z3": (3, False),
     "z0bf16": (0, True), "z1bf16": (1, True), "z2bf16": (2, True), "z3bf16": (3, True),
+    "z3sub": (3, False),  # sub_group_size 300: several ZeRO-3 sub-groups, their number depends on the DP size
 }
+SUB_GROUP_SIZE = {"z3sub": 300}
 
 
 class Net(nn.Module):
@@ -67,8 +69,10 @@ def make(name: str, seed: int, unickpt: bool = True, storage_options: dict | Non
     stage, bf16 = CONFIGS[name]
     torch.manual_seed(seed)
     model = Net()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=ds_config(stage, bf16, unickpt, storage_options))
+    cfg = ds_config(stage, bf16, unickpt, storage_options)
+    if name in SUB_GROUP_SIZE:
+        cfg["zero_optimization"]["sub_group_size"] = SUB_GROUP_SIZE[name]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
 
 
@@ -185,17 +189,28 @@ def phase_load(out: str, names: list[str]) -> None:
         assert_same(gather(e), ref, f"{name} reshard to ws={dist.get_world_size()}")
         loss = train_step(e, 3)
         assert loss == loss and abs(loss) < 1e3, loss
+        assert optimizer_steps(e) == {ref["meta"]["steps"][0] + 1}, (name, optimizer_steps(e))
         e.destroy()
         print(f"OK load {name} ws={dist.get_world_size()}", flush=True)
 
 
+def optimizer_steps(engine) -> set:
+    opt = engine.optimizer
+    base = opt.optimizer if hasattr(opt, "optimizer") else opt
+    return {float(s["step"]) for s in base.state.values() if "step" in s}
+
+
 def phase_cross(out: str) -> None:
-    """Another ZeRO stage and DP size at once: ZeRO-2 (DP 2) -> ZeRO-3, ZeRO-3 (DP 2) -> ZeRO-1."""
-    for engine_name, ckpt_name in (("z3", "z2"), ("z1", "z3")):
+    """Another ZeRO stage and DP size at once: ZeRO-2 (DP 2) -> ZeRO-3, ZeRO-3 (DP 2) -> ZeRO-1; and another
+    number of optimizer partitions: ZeRO-2 (1 partition) -> ZeRO-0 (one per parameter), ZeRO-3 (1 sub-group)
+    -> ZeRO-3 with several sub-groups (their number changes with the DP size for large models)."""
+    for engine_name, ckpt_name in (("z3", "z2"), ("z1", "z3"), ("z0", "z2"), ("z3sub", "z3")):
         ref = torch.load(os.path.join(out, f"{ckpt_name}_ref.pt"), weights_only=False)["ref"]
         e = make(engine_name, seed=1)
         e.load_checkpoint(os.path.join(out, ckpt_name))
         assert_same(gather(e), ref, f"{ckpt_name} checkpoint into {engine_name} at ws={dist.get_world_size()}")
+        train_step(e, 3)  # every partition steps its own copy of Adam's step
+        assert optimizer_steps(e) == {ref["meta"]["steps"][0] + 1}, (engine_name, optimizer_steps(e))
         e.destroy()
         print(f"OK cross {ckpt_name}->{engine_name} ws={dist.get_world_size()}", flush=True)
 
@@ -260,7 +275,83 @@ def phase_errors(out: str) -> None:
     else:
         raise AssertionError("loading into another model did not raise")
     e.destroy()
+
+    # another optimizer (SGD with momentum, ZeRO-3): refused before anything changes; used to load Adam's
+    # exp_avg / exp_avg_sq and hyperparameters into it silently, leaving its momentum_buffer stale
+    torch.manual_seed(0)
+    model = Net()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cfg = ds_config(3, False)
+    del cfg["optimizer"], cfg["scheduler"]
+    e, *_ = deepspeed.initialize(model=model, optimizer=sgd, config={**cfg, "zero_allow_untested_optimizer": True})
+    train_step(e, 0)
+    before = {k: v.clone() for k, v in e.optimizer.optimizer.state[e.optimizer.fp32_partitioned_groups_flat[0]].items()}
+    groups_before = [dict(g, params=None) for g in e.optimizer.optimizer.param_groups]
+    try:
+        e.load_checkpoint(os.path.join(out, "z2"))
+    except StateMismatchError as err:
+        assert str(err) == (f"{os.path.join(out, 'z2', 'step3')!r}: 'optimizer.state': the checkpoint holds optimizer "
+                            "state ['exp_avg', 'exp_avg_sq'], this engine's optimizer keeps ['momentum_buffer'] "
+                            "(another optimizer?); pass load_optimizer_states=False to load the weights only"), str(err)
+    else:
+        raise AssertionError("loading Adam's state into SGD did not raise")
+    after = e.optimizer.optimizer.state[e.optimizer.fp32_partitioned_groups_flat[0]]
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items()), after.keys()
+    assert [dict(g, params=None) for g in e.optimizer.optimizer.param_groups] == groups_before
+    train_step(e, 1)  # the engine is usable after the refused load
+    e.load_checkpoint(os.path.join(out, "z2"), load_optimizer_states=False)  # the weights alone do load
+    e.destroy()
     print("OK errors", flush=True)
+
+
+def phase_replace(out: str) -> None:
+    """Saving a tag again (ZeRO-3): the call waits for a save to that tag still in flight, and the committed
+    tag stays loadable until the new save commits (a refused or failed replacement leaves it intact)."""
+    from unickpt.engine import Engine
+    from unickpt.errors import SaveFailedError, UnsafeObjectError
+
+    d = os.path.join(out, "replace")
+    e = make("z3", seed=0)
+    train_step(e, 0)
+    e.save_checkpoint(d, client_state={"v": 1})  # tag global_step1
+    e.save_checkpoint(d, client_state={"v": 2})  # same tag, the first save still in flight
+    ref = gather(e)
+    e.checkpoint_engine.finish_pending()
+    assert open(os.path.join(d, "latest")).read() == "global_step1"
+    assert sorted(os.listdir(d)) == ["global_step1", "latest"], os.listdir(d)
+    try:  # refused before anything is touched
+        e.save_checkpoint(d, client_state={"v": object()})
+    except UnsafeObjectError as err:
+        assert str(err).startswith("'client_state.v': a value of class builtins.object has no JSON"), str(err)
+    else:
+        raise AssertionError("an unsavable client_state did not raise")
+    original = Engine._write_per_rank
+
+    def fail_on_rank1(self, commit):
+        if self.rank == 1:
+            raise OSError("injected: disk full")
+        return original(self, commit)
+
+    Engine._write_per_rank = fail_on_rank1
+    try:  # a replacement that fails in the background, after save_checkpoint returned
+        e.save_checkpoint(d, client_state={"v": 3})
+        try:
+            e.checkpoint_engine.finish_pending()
+        except SaveFailedError as err:
+            assert "injected: disk full" in str(err), str(err)
+        else:
+            raise AssertionError("the injected failure was not raised")
+    finally:
+        Engine._write_per_rank = original
+    assert open(os.path.join(d, "latest")).read() == "global_step1"
+    e2 = make("z3", seed=1)
+    path, client = e2.load_checkpoint(d)
+    assert path == os.path.join(d, "global_step1") and client == {"v": 2}, (path, client)
+    assert_same(gather(e2), ref, "committed tag after a failed replacement")
+    train_step(e, 1)  # the engine that refused and failed saves still trains
+    e.destroy()
+    e2.destroy()
+    print(f"OK replace ws={dist.get_world_size()}", flush=True)
 
 
 if __name__ == "__main__":
@@ -279,5 +370,6 @@ if __name__ == "__main__":
         phase_cross(out)
     if "errors" in sys.argv[4:]:
         phase_errors(out)
+        phase_replace(out)
     dist.barrier()
     dist.destroy_process_group()

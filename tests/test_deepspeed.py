@@ -64,6 +64,13 @@ def test_without_block_deepspeed_is_unchanged_and_mismatch_is_named(saved):
     assert log.count("OK errors") == 2, log[-3000:]
 
 
+def test_same_tag_waits_for_the_save_in_flight_and_replaces_only_at_commit(saved):
+    # regression: a second save_checkpoint to a tag still being written raised CheckpointExistsError, and
+    # replacing a committed tag deleted it before the new save had committed (lost on any failure)
+    _, log = saved
+    assert log.count("OK replace ws=2") == 2, log[-3000:]
+
+
 @pytest.mark.parametrize("world", [1, 3])
 def test_reshard_on_load(saved, world, s3_or_none):
     out, _ = saved
@@ -71,8 +78,9 @@ def test_reshard_on_load(saved, world, s3_or_none):
     log = torchrun(world, WORKER, "load", str(out), CONFIGS, *extra, s3=s3_or_none if world == 3 else None)
     for name in CONFIGS.split(","):
         assert log.count(f"OK load {name} ws={world}") == world, (name, log[-3000:])
-    if world == 3:  # ZeRO stage changed too
-        assert log.count("OK cross z2->z3 ws=3") == 3 and log.count("OK cross z3->z1 ws=3") == 3, log[-3000:]
+    if world == 3:  # ZeRO stage changed too; and the number of optimizer partitions (z0, ZeRO-3 sub-groups)
+        for cross in ("z2->z3", "z3->z1", "z2->z0", "z3->z3sub"):
+            assert log.count(f"OK cross {cross} ws=3") == 3, (cross, log[-3000:])
     if s3_or_none is not None and world == 3:
         assert log.count("OK remote load ws=3") == 3, log[-3000:]
 
@@ -139,7 +147,12 @@ def test_config_block_validation():
     assert UnickptConfig.from_block({"enabled": True, "async_save": False}).async_save is False
     with pytest.raises(ValueError) as e:
         UnickptConfig.from_block({"enabled": True, "asyncsave": True})
-    assert str(e.value) == ('DeepSpeed config "unickpt": unknown key(s) [\'asyncsave\']; known keys: '
+    assert str(e.value) == ('DeepSpeed config "unickpt": unknown key(s) [\'asyncsave\'] (did you mean '
+                            "'asyncsave' -> 'async_save'?); known keys: "
+                            "['allow_pickle', 'async_save', 'enabled', 'storage_options', 'verify']")
+    with pytest.raises(ValueError) as e:  # no near match: no hint
+        UnickptConfig.from_block({"enabled": True, "zzz": 1})
+    assert str(e.value) == ('DeepSpeed config "unickpt": unknown key(s) [\'zzz\']; known keys: '
                             "['allow_pickle', 'async_save', 'enabled', 'storage_options', 'verify']")
     with pytest.raises(ValueError) as e:
         UnickptConfig.from_block({"enabled": "yes"})
@@ -147,6 +160,24 @@ def test_config_block_validation():
     with pytest.raises(ValueError) as e:
         UnickptConfig.from_block([1])
     assert str(e.value).startswith('DeepSpeed config "unickpt": expected a JSON object')
+
+
+def test_misspelled_block_name_is_warned_about(caplog):
+    from unickpt.deepspeed._activate import _unickpt_block
+
+    class Config:  # DeepSpeedConfig keeps the raw JSON in _param_dict
+        _param_dict = {"train_batch_size": 8, "unickp": {"enabled": True}}
+
+    with caplog.at_level("WARNING", logger="unickpt.deepspeed"):
+        assert _unickpt_block(Config()) is None  # DeepSpeed's own checkpoints, as before
+    assert [r.getMessage() for r in caplog.records] == [
+        "DeepSpeed config: top-level key 'unickp' is not \"unickpt\"; DeepSpeed ignores it and saves its own "
+        "checkpoints"]
+    caplog.clear()
+    Config._param_dict = {"train_batch_size": 8, "bf16": {"enabled": True}}
+    with caplog.at_level("WARNING", logger="unickpt.deepspeed"):
+        assert _unickpt_block(Config()) is None
+    assert caplog.records == []
 
 
 class _Handle:

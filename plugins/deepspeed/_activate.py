@@ -71,6 +71,14 @@ def _unickpt_block(config_params: Any) -> Any:
     raw = getattr(config_params, "_param_dict", None)
     if not isinstance(raw, dict):
         return None
+    if "unickpt" not in raw:  # DeepSpeed ignores unknown top-level keys: say so for a near miss ("unickp")
+        import difflib
+        import logging
+
+        for key in difflib.get_close_matches("unickpt", [k for k in raw if isinstance(k, str)], n=1, cutoff=0.8):
+            logging.getLogger("unickpt.deepspeed").warning(
+                'DeepSpeed config: top-level key %r is not "unickpt"; DeepSpeed ignores it and saves its own '
+                "checkpoints", key)
     return raw.get("unickpt")
 
 

@@ -30,13 +30,13 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from unickpt import codec
 from unickpt.engine import get_engine
-from unickpt.errors import StateMismatchError
+from unickpt.errors import StateMismatchError, UnsafeObjectError
 from unickpt.metadata import METADATA_FILE, read_metadata
 from unickpt.state import flatten, saved_leaves
 from unickpt.storage import Storage
 from unickpt.types import Shard
 
-from .engine import finish_all_pending
+from .engine import finish_all_pending, wait_for_tag
 from .zero_state import ZeroLayout, zero_layout
 
 __all__ = ["save_checkpoint", "load_checkpoint", "LATEST_FILE", "FORMAT"]
@@ -45,6 +45,8 @@ log = logging.getLogger("unickpt.deepspeed")
 
 LATEST_FILE = "latest"
 FORMAT = "unickpt.deepspeed/1"
+REPLACING_SUFFIX = ".unickpt-new"  # ``save_dir/.<tag>.unickpt-new``: a save replacing the committed ``<tag>``
+REPLACED_SUFFIX = ".unickpt-old"  # ``save_dir/.<tag>.unickpt-old``: the replaced copy, removed after the swap
 
 
 # -- building the state ---------------------------------------------------------------------------
@@ -93,11 +95,16 @@ def _optimizer_state(layout: ZeroLayout, state_keys: list[str], *, with_moments:
     return out
 
 
-def _info(engine: Any) -> dict:
+def _optimizer_class(opt: Any) -> str:
+    return f"{type(opt).__module__}.{type(opt).__qualname__}"
+
+
+def _info(engine: Any, layout: ZeroLayout) -> dict:
     import deepspeed
 
-    return {"format": FORMAT, "global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
-            "skipped_steps": int(engine.skipped_steps), "zero_stage": int(engine.zero_optimization_stage()),
+    return {"format": FORMAT, "optimizer": _optimizer_class(layout.base), "global_steps": int(engine.global_steps),
+            "global_samples": int(engine.global_samples), "skipped_steps": int(engine.skipped_steps),
+            "zero_stage": int(engine.zero_optimization_stage()),
             "dp_world_size": int(engine.seq_dp_world_size), "mp_world_size": int(engine.mp_world_size),
             "bf16": bool(engine.bfloat16_enabled()), "ds_version": deepspeed.__version__}
 
@@ -119,8 +126,11 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
 
     Writes ``save_dir/<tag>/`` (``tag`` defaults to ``global_step<N>``) and, once it has committed,
     ``save_dir/latest``. With ``async_save`` (the default) it returns once the state is copied to host
-    memory; the commit follows in the background. Saving to an existing committed tag replaces it (as
-    DeepSpeed does), after any pending save has finished.
+    memory; the commit follows in the background. Saving to a tag again replaces it (as DeepSpeed does):
+    the call first waits for a save to that tag still in flight; on local storage the new checkpoint is
+    written to ``save_dir/.<tag>.unickpt-new`` and renamed into place at its commit, so the committed
+    ``<tag>`` stays loadable until then (on object stores, which have no directory rename, it is
+    deleted first).
 
     Raises:
         ValueError: empty ``save_dir``.
@@ -137,44 +147,35 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     ckpt._reap_done()
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     engine._checkpoint_tag_validation(tag)
+    # before anything is touched: a client_state that cannot be saved fails the call and changes nothing
+    client_enc = _encode_client_state(dict(client_state or {}), cfg.allow_pickle)
     save_dir = os.fspath(save_dir)
     storage = Storage(save_dir, cfg.storage_options or None)
     path = storage.join(save_dir, tag)
     uengine = get_engine(None)
+    wait_for_tag(save_dir, tag)  # the same tag twice in a row: the earlier save must finish first
+    target = path
     if storage.exists(storage.join(path, METADATA_FILE)):  # DeepSpeed overwrites an existing tag
-        ckpt.finish_pending()
         if uengine.rank == 0:
             log.warning("unickpt.deepspeed: replacing the committed checkpoint %s (same tag)", path)
+        if storage.is_local:  # save beside it; swapped in at the commit, so a failed save leaves it intact
+            target = _sibling(path, REPLACING_SUFFIX)
+            if uengine.rank == 0:
+                storage.rm(target)  # left by a replacement that crashed before its swap
+        elif uengine.rank == 0:  # no atomic directory rename on object stores: the old copy goes first
             storage.rm(path)
         torch.distributed.barrier()
 
+    def on_commit() -> None:  # group rank 0, right after metadata.json landed
+        if target != path:
+            _swap_in(storage, target, path)
+        if save_latest:
+            storage.write_atomic(storage.join(save_dir, LATEST_FILE), tag.encode())
+
     if engine._optimizer_has_ckpt_event_prologue():
         engine.optimizer.checkpoint_event_prologue()
-    layout = zero_layout(engine)
-    state_keys, scalars = _state_keys(layout)
-    state = {
-        "module": _module_state(engine, layout, exclude_frozen_parameters),
-        "optimizer": {
-            **_optimizer_state(layout, state_keys, with_moments=True),
-            "scalars": codec.encode(scalars, allow_pickle=False, key="optimizer.scalars"),
-            "param_groups": codec.encode([{k: v for k, v in g.items() if k != "params"}
-                                          for g in layout.base.param_groups], allow_pickle=False,
-                                         key="optimizer.param_groups"),
-        },
-        "client_state": codec.encode(dict(client_state or {}), allow_pickle=cfg.allow_pickle, key="client_state"),
-        "deepspeed": _info(engine),
-    }
-    if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict"):
-        state["lr_scheduler"] = engine.lr_scheduler
-
-    def write_latest() -> None:  # group rank 0, right after metadata.json landed
-        storage.write_atomic(storage.join(save_dir, LATEST_FILE), tag.encode())
-
-    try:
-        handle = uengine.save(path, state, async_save=cfg.async_save, storage_options=cfg.storage_options or None,
-                              step=int(engine.global_steps), framework="deepspeed",
-                              extra={"deepspeed_tag": tag}, on_commit=write_latest if save_latest else None,
-                              allow_pickle=cfg.allow_pickle)
+    try:  # the epilogue must run whatever fails (ZeRO-3: it gathers the persistent parameters again)
+        handle = _save_state(engine, uengine, cfg, target, tag, client_enc, exclude_frozen_parameters, on_commit)
     finally:
         if engine._optimizer_has_ckpt_event_epilogue():
             engine.optimizer.checkpoint_event_epilogue()
@@ -182,6 +183,72 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     if cfg.async_save:
         ckpt.add_pending(handle, CheckpointCommitInfo(tag=tag, save_dir=save_dir, save_latest=save_latest))
     return True
+
+
+def _encode_client_state(client_state: dict, allow_pickle: bool) -> Any:
+    """``client_state`` as tagged JSON. Raises UnsafeObjectError naming the innermost offending key
+    (``client_state.opt.fn``, ``client_state.hist[2]``) when a value needs pickle and it is not allowed."""
+    try:
+        return codec.encode(client_state, allow_pickle=allow_pickle, key="client_state")
+    except UnsafeObjectError:
+        _raise_at_unsafe(client_state, "client_state")
+        raise
+
+
+def _raise_at_unsafe(value: Any, key: str) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _raise_at_unsafe(v, f"{key}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _raise_at_unsafe(v, f"{key}[{i}]")
+    codec.encode(value, allow_pickle=False, key=key)
+
+
+def _save_state(engine: Any, uengine: Any, cfg: Any, target: str, tag: str, client_enc: Any,
+                exclude_frozen: bool, on_commit: Any) -> Any:
+    """Build the state (see the module docstring) and hand it to unickpt; returns the SaveHandle."""
+    layout = zero_layout(engine)
+    state_keys, scalars = _state_keys(layout)
+    state = {
+        "module": _module_state(engine, layout, exclude_frozen),
+        "optimizer": {
+            **_optimizer_state(layout, state_keys, with_moments=True),
+            "scalars": codec.encode(scalars, allow_pickle=False, key="optimizer.scalars"),
+            "param_groups": codec.encode([{k: v for k, v in g.items() if k != "params"}
+                                          for g in layout.base.param_groups], allow_pickle=False,
+                                         key="optimizer.param_groups"),
+        },
+        "client_state": client_enc,
+        "deepspeed": _info(engine, layout),
+    }
+    if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict"):
+        state["lr_scheduler"] = engine.lr_scheduler
+    return uengine.save(target, state, async_save=cfg.async_save, storage_options=cfg.storage_options or None,
+                        step=int(engine.global_steps), framework="deepspeed", extra={"deepspeed_tag": tag},
+                        on_commit=on_commit, allow_pickle=cfg.allow_pickle)
+
+
+def _sibling(path: str, suffix: str) -> str:
+    """``dir/.<name><suffix>`` for a local ``dir/<name>`` (hidden: no ``global_step*`` glob matches it)."""
+    head, name = os.path.split(path.rstrip(os.sep))
+    return os.path.join(head, f".{name}{suffix}")
+
+
+def _swap_in(storage: Storage, new: str, path: str) -> None:
+    """Local storage, group rank 0: replace the committed checkpoint ``path`` by the committed ``new``
+    with two directory renames (the old copy is removed only after the new one is in place)."""
+    final = storage.strip(path)
+    old = _sibling(final, REPLACED_SUFFIX)
+    storage.rm(old)
+    os.rename(final, old)
+    os.rename(storage.strip(new), final)
+    dfd = os.open(os.path.dirname(final), os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    storage.rm(old)
 
 
 # -- load -----------------------------------------------------------------------------------------
@@ -217,7 +284,8 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     Raises:
         CheckpointNotFoundError: no committed checkpoint at ``load_dir/<tag>``.
         StateMismatchError: a parameter or optimizer state missing from the checkpoint (named), a dtype or
-            shape mismatch, or a different number of optimizer partitions / param groups.
+            shape mismatch, another number of param groups, or another optimizer's state (checked before
+            anything is loaded: the engine is then left as it was).
         NotImplementedError: ``custom_load_fn``, pipeline parallelism, NVMe offload.
     """
     ckpt = engine.checkpoint_engine
@@ -236,6 +304,14 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
             return None, None
     tag = str(tag)
     path = storage.join(load_dir, tag)
+    if storage.is_local and not storage.exists(storage.join(path, METADATA_FILE)):
+        for suffix in (REPLACING_SUFFIX, REPLACED_SUFFIX):  # a crash between the renames of _swap_in
+            alt_path = _sibling(path, suffix)
+            if storage.exists(storage.join(alt_path, METADATA_FILE)):
+                log.warning("unickpt.deepspeed: %s is missing (a replacement was interrupted); loading %s",
+                            path, alt_path)
+                path = alt_path
+                break
     if not storage.exists(storage.join(path, METADATA_FILE)) and _is_native_deepspeed(storage, path):
         from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -247,6 +323,21 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     meta = read_metadata(storage, path)  # CheckpointNotFoundError when uncommitted or absent
     if engine._optimizer_has_ckpt_event_prologue():
         engine.optimizer.checkpoint_event_prologue()
+    try:  # the epilogue must run whatever fails (ZeRO-3: it gathers the persistent parameters again)
+        client_enc = _load_state(engine, meta, path, load_module_strict, load_optimizer_states,
+                                 load_lr_scheduler_states, load_module_only)
+    finally:
+        if engine._optimizer_has_ckpt_event_epilogue():
+            engine.optimizer.checkpoint_event_epilogue()
+    return path, codec.decode(client_enc, allow_pickle=cfg.allow_pickle, key="client_state")
+
+
+def _load_state(engine: Any, meta: Any, path: str, load_module_strict: bool, load_optimizer_states: bool,
+                load_lr_scheduler_states: bool, load_module_only: bool) -> Any:
+    """Check the checkpoint against the engine, then load it in place; returns the encoded client_state.
+    Nothing of the engine is changed when a check fails (StateMismatchError)."""
+    ckpt = engine.checkpoint_engine
+    cfg = ckpt.config
     layout = zero_layout(engine)
     saved_tensors = set(meta.tensors) | set(meta.aliases)
     _, _, saved_objects = saved_leaves(meta.state_tree)
@@ -254,15 +345,46 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     prefix = "optimizer.state."
     state_keys = sorted({f[len(prefix):].split(".", 1)[0] for f in saved_tensors if f.startswith(prefix)})
     if with_moments:
+        _check_optimizer(layout, path, saved_objects, state_keys)
+    injected = []  # optimizer state created so that it can be loaded into; removed again if a check fails
+    if with_moments:
         for key in state_keys:
             for flat in layout.flat:
                 st = layout.base.state[flat]
                 if key not in st:
                     st[key] = torch.zeros_like(flat)
+                    injected.append((st, key))
+    try:
+        state = _load_target(engine, layout, path, saved_tensors, saved_objects, state_keys, with_moments,
+                             load_module_strict, load_lr_scheduler_states, load_module_only)
+    except BaseException:
+        for st, key in injected:
+            del st[key]
+        raise
+    ckpt.last_load_stats = get_engine(None).load(path, state, strict=False,
+                                                 storage_options=cfg.storage_options or None,
+                                                 allow_pickle=cfg.allow_pickle, verify=cfg.verify)
+    info = state["deepspeed"]
+    if with_moments:
+        _restore_optimizer_scalars(layout, path, state["optimizer"]["scalars"], state["optimizer"]["param_groups"])
+    if not load_module_only:
+        engine.global_steps = int(info["global_steps"])
+        engine.global_samples = int(info["global_samples"])
+        engine.skipped_steps = int(info["skipped_steps"])
+    engine.loaded_checkpoint_dp_world_size = int(info["dp_world_size"])
+    engine.loaded_checkpoint_mp_world_size = int(info["mp_world_size"])
+    return state["client_state"]
+
+
+def _load_target(engine: Any, layout: ZeroLayout, path: str, saved_tensors: set, saved_objects: dict,
+                 state_keys: list, with_moments: bool, load_module_strict: bool, load_lr_scheduler_states: bool,
+                 load_module_only: bool) -> dict:
+    """The state to load into; StateMismatchError naming the keys when it and the checkpoint differ."""
     module = _module_state(engine, layout, exclude_frozen=False)
     if not load_module_strict:
         module = {n: t for n, t in module.items() if f"module.{n}" in saved_tensors}
-    state: dict[str, Any] = {"module": module, "optimizer": _optimizer_state(layout, state_keys, with_moments=with_moments)}
+    state: dict[str, Any] = {"module": module,
+                             "optimizer": _optimizer_state(layout, state_keys, with_moments=with_moments)}
     if with_moments:
         state["optimizer"]["scalars"] = None
         state["optimizer"]["param_groups"] = None
@@ -283,42 +405,82 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     if missing or (load_module_strict and unexpected):
         parts = []
         if missing:
-            parts.append(f"missing from the checkpoint: {missing[:20]}" + (f" ({len(missing)} in all)" if len(missing) > 20 else ""))
+            more = f" ({len(missing)} in all)" if len(missing) > 20 else ""
+            parts.append(f"missing from the checkpoint: {missing[:20]}{more}")
         if load_module_strict and unexpected:
             parts.append(f"model weights in the checkpoint but not in the model: {unexpected[:20]}")
         raise StateMismatchError(f"{path!r}: the DeepSpeed engine and the checkpoint differ; " + "; ".join(parts))
+    return state
 
-    try:
-        ckpt.last_load_stats = get_engine(None).load(path, state, strict=False,
-                                                     storage_options=cfg.storage_options or None,
-                                                     allow_pickle=cfg.allow_pickle, verify=cfg.verify)
-        info = state["deepspeed"]
-        if with_moments:
-            _restore_optimizer_scalars(layout, path, state["optimizer"]["scalars"], state["optimizer"]["param_groups"])
-        if not load_module_only:
-            engine.global_steps = int(info["global_steps"])
-            engine.global_samples = int(info["global_samples"])
-            engine.skipped_steps = int(info["skipped_steps"])
-        engine.loaded_checkpoint_dp_world_size = int(info["dp_world_size"])
-        engine.loaded_checkpoint_mp_world_size = int(info["mp_world_size"])
-    finally:
-        if engine._optimizer_has_ckpt_event_epilogue():
-            engine.optimizer.checkpoint_event_epilogue()
-    client_state = codec.decode(state["client_state"], allow_pickle=cfg.allow_pickle, key="client_state")
-    return path, client_state
+
+def _check_optimizer(layout: ZeroLayout, path: str, saved_objects: dict, state_keys: list) -> None:
+    """Before anything is loaded: the checkpoint's optimizer state fits this engine's optimizer.
+
+    Raises StateMismatchError for another number of optimizer partitions or param groups, or when this
+    optimizer already keeps state under other keys (SGD's ``momentum_buffer`` vs Adam's ``exp_avg``).
+    A checkpoint of another optimizer class with the same state keys (FusedAdam -> torch AdamW) loads
+    with a warning.
+    """
+    scalars = _saved_plain(saved_objects, "optimizer.scalars", twice=True)
+    groups = _saved_plain(saved_objects, "optimizer.param_groups", twice=True)
+    if scalars is not None:
+        _scalars_for(layout, path, scalars)
+    if groups is not None and len(groups) != len(layout.base.param_groups):
+        raise StateMismatchError(f"{path!r}: 'optimizer.param_groups': the checkpoint has {len(groups)} param "
+                                 f"groups, this optimizer has {len(layout.base.param_groups)}")
+    have = sorted({k for flat in layout.flat for k, v in layout.base.state.get(flat, {}).items()
+                   if torch.is_tensor(v) and v.dim() > 0 and v.shape == flat.shape})
+    if have and have != state_keys:
+        raise StateMismatchError(f"{path!r}: 'optimizer.state': the checkpoint holds optimizer state {state_keys}, "
+                                 f"this engine's optimizer keeps {have} (another optimizer?); pass "
+                                 "load_optimizer_states=False to load the weights only")
+    info = _saved_plain(saved_objects, "deepspeed") or {}
+    saved_cls, cls = info.get("optimizer"), _optimizer_class(layout.base)
+    if saved_cls is not None and saved_cls != cls:
+        log.warning("unickpt.deepspeed: %s holds the state of a %s optimizer; loading it into %s", path,
+                    saved_cls, cls)
+
+
+def _scalars_for(layout: ZeroLayout, path: str, scalars: list) -> list:
+    """The saved per-partition non-tensor optimizer state (Adam's ``step``), one entry per partition of
+    this engine. The number of partitions may differ (ZeRO-3 forms ``sub_group_size`` sub-groups of
+    each rank's partition, so their number changes with the DP size; ZeRO-0 has one per parameter)
+    when every saved entry is the same; otherwise StateMismatchError."""
+    if len(scalars) == len(layout.flat):
+        return scalars
+    if scalars and all(_same_plain(scalars[0], other) for other in scalars[1:]):
+        return [scalars[0]] * len(layout.flat)
+    raise StateMismatchError(f"{path!r}: 'optimizer.scalars': the checkpoint has {len(scalars)} optimizer "
+                             f"partitions, this engine has {len(layout.flat)}, and their non-tensor state "
+                             "(such as Adam's step) differs between partitions")
+
+
+def _same_plain(a: Any, b: Any) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_plain(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def _saved_plain(saved_objects: dict, fqn: str, twice: bool = False) -> Any:
+    """A plain value of the checkpoint's state tree, decoded (``twice``: the plugin encoded it itself)."""
+    if fqn not in saved_objects:
+        return None
+    value = codec.decode(saved_objects[fqn], key=fqn)
+    return codec.decode(value, key=fqn) if twice else value
 
 
 def _restore_optimizer_scalars(layout: ZeroLayout, path: str, scalars_enc: Any, groups_enc: Any) -> None:
     scalars = codec.decode(scalars_enc, key="optimizer.scalars")
     groups = codec.decode(groups_enc, key="optimizer.param_groups")
-    if len(scalars) != len(layout.flat):
-        raise StateMismatchError(f"{path!r}: 'optimizer.scalars': the checkpoint has {len(scalars)} optimizer "
-                                 f"partitions, this engine has {len(layout.flat)} (a different parameter grouping)")
+    scalars = _scalars_for(layout, path, scalars)
     if len(groups) != len(layout.base.param_groups):
         raise StateMismatchError(f"{path!r}: 'optimizer.param_groups': the checkpoint has {len(groups)} param "
                                  f"groups, this optimizer has {len(layout.base.param_groups)}")
     for flat, values in zip(layout.flat, scalars):
-        layout.base.state[flat].update(values)
+        # a copy per partition: torch's Adam increments its ``step`` tensor in place
+        layout.base.state[flat].update({k: v.clone() if torch.is_tensor(v) else v for k, v in values.items()})
     for group, saved in zip(layout.base.param_groups, groups):
         for k, v in saved.items():
             group[k] = v

@@ -49,7 +49,11 @@ class UnickptConfig:
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(block) - set(known))
         if unknown:
-            raise ValueError(f'DeepSpeed config "unickpt": unknown key(s) {unknown}; known keys: {sorted(known)}')
+            import difflib
+
+            hints = [f"{k!r} -> {m[0]!r}" for k in unknown if (m := difflib.get_close_matches(k, known, n=1))]
+            hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+            raise ValueError(f'DeepSpeed config "unickpt": unknown key(s) {unknown}{hint}; known keys: {sorted(known)}')
         for key, value in block.items():
             want = dict if key == "storage_options" else bool
             if not isinstance(value, want):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import weakref
 from typing import Any
 
@@ -26,7 +27,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from .config import UnickptConfig
 
-__all__ = ["UnickptCheckpointEngine", "finish_all_pending"]
+__all__ = ["UnickptCheckpointEngine", "finish_all_pending", "wait_for_tag"]
 
 log = logging.getLogger("unickpt.deepspeed")
 
@@ -135,6 +136,21 @@ class UnickptCheckpointEngine(CheckpointEngine):
 
     def preserves_storage_sharing(self) -> bool:
         return True
+
+
+def wait_for_tag(save_dir: str, tag: str) -> None:
+    """Block until every pending save to ``save_dir``/``tag`` (of any engine in this process) has finished.
+
+    Errors are not raised here: a failed save stays pending, so its error surfaces at the next step
+    boundary (:meth:`UnickptCheckpointEngine.get_commit_info`) as for any other tag.
+    """
+    for engine in list(_LIVE):
+        for handle, info in list(engine._pending):
+            if info.tag == tag and os.fspath(info.save_dir).rstrip("/") == os.fspath(save_dir).rstrip("/"):
+                try:
+                    handle.wait()
+                except BaseException:  # noqa: BLE001 - raised later by _reap_done / finish_pending
+                    pass
 
 
 def finish_all_pending() -> None:
