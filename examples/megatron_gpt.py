@@ -110,7 +110,7 @@ def main():
         fill(model, 0.5)
         want = digest(model)
         if rank == 0:
-            os.makedirs(args.path, exist_ok=False)
+            os.makedirs(args.path, exist_ok=True)  # saving into a used directory overwrites it, as in megatron
         dist.barrier()
         state = model.sharded_state_dict()
         state["iteration"] = 100  # plain values go to megatron's common.pt

@@ -152,6 +152,12 @@ def save(path: str, async_save: bool = False, fully_parallel: bool = False, bala
         daemon = cfg.get("daemon")
         cfg["daemon"] = False
         try:
+            import pickle
+
+            # megatron's persistent checkpoint worker (--use-persistent-ckpt-worker) receives the
+            # request through a spawn-context queue, without its finalize functions
+            sent = pickle.loads(pickle.dumps(req.freeze()._replace(finalize_fns=[])))
+            assert sent.async_fn is req.async_fn and sent.async_fn_args == req.async_fn_args
             q = AsyncCallsQueue()
             q.schedule_async_request(req)
             fill(99)  # training goes on while the checkpoint is written
@@ -266,3 +272,58 @@ def load_missing_key(path: str) -> tuple[str, str]:
     except Exception as e:
         return type(e).__name__, str(e)
     return ("no error", "")
+
+
+def overwrite_and_plain(path: str) -> dict:
+    """Megatron's overwrite semantics and load_plain_tensors on a unickpt checkpoint.
+
+    ``path`` holds a committed checkpoint of the current model. Saves again into it (fill(8): must
+    replace it, as dist_checkpointing.save does for torch_dist), starts an async save into it and
+    saves there again before finalizing (must fail on every rank naming the in-flight save), then
+    reads it back with megatron's load_plain_tensors (whole stacked tensors, prepend_axis_num 0).
+    Returns on rank 0: the in-flight error, and whether the loaded / plain tensors equal fill(8)'s."""
+    _shim()
+    import unickpt.megatron as um
+    from megatron.core import dist_checkpointing
+
+    fill(8)
+    want = full_tensors()
+    dist_checkpointing.save(_state(), path, ("unickpt", 1))
+    req = dist_checkpointing.save(_state(), path, ("unickpt", 1), async_sharded_save=True)
+    try:
+        dist_checkpointing.save(_state(), path, um.UnickptSaveShardedStrategy())
+        err = ("no error", "")
+    except Exception as e:
+        err = (type(e).__name__, str(e))
+    req.execute_sync()
+    load(path)
+    got = full_tensors()
+    plain = dist_checkpointing.load_plain_tensors(path)
+    if dist.get_rank() != 0:
+        return {}
+    plain.pop("iteration")
+    return {"error": err, "loaded": sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want),
+            "plain": sorted(want) == sorted(plain) and all(torch.equal(want[k], plain[k]) for k in want)}
+
+
+def padded_load(path: str) -> list:
+    """Load the (8, 6) ``flat_save`` tensor as a (12, 6) one (a padded vocabulary), 3 rows per rank:
+    without ``allow_shape_mismatch`` an error, with it megatron's rule (zeros, then the stored overlap:
+    rank 2 gets 2 stored rows, rank 3 none). Returns [(error type, message), bitwise equal]."""
+    _shim()
+    import unickpt.megatron as um
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    key, r = "optimizer.state.exp_avg.w", dist.get_rank()
+    want = torch.zeros(12, 6)
+    want[:8] = _global_values(key, GLOBAL, (0, 0), GLOBAL, 3).to(torch.float32)
+    out: list = []
+    for allow in (False, True):
+        sh = ShardedTensor.from_rank_offsets(key, torch.full((3, 6), float("nan")), (0, r, 4), allow_shape_mismatch=allow)
+        try:
+            got = um.UnickptLoadShardedStrategy().load({"w": sh}, path)["w"]
+        except Exception as e:
+            out.append((type(e).__name__, str(e)))
+            continue
+        out.append(got is sh.data and torch.equal(got, want[3 * r:3 * r + 3]))
+    return out

@@ -110,6 +110,14 @@ def test_async_save_equals_sync(mpool, tmp_path):
     s = unickpt.CheckpointMetadata.from_json(open(tmp_path / "sync" / "unickpt" / "metadata.json").read())
     assert {k: [c.checksum for c in t.chunks] for k, t in a.tensors.items()} == \
            {k: [c.checksum for c in t.chunks] for k, t in s.tensors.items()}
+    # saving again into a checkpoint directory overwrites it (megatron's semantics; a unickpt
+    # checkpoint is never overwritten otherwise), except while a save into it is in flight;
+    # load_plain_tensors (whole stacked tensors, no prepended axes) reads the per-layer fqns
+    res = mpool.run(W.overwrite_and_plain, str(tmp_path / "sync"))[0]
+    assert res["error"][0] == "SaveFailedError"
+    assert (f"a save into {str(tmp_path / 'sync')!r} started by this process is still in flight (its AsyncRequest "
+            "is not finalized); finalize it before saving there again") in res["error"][1]
+    assert res["loaded"] is True and res["plain"] is True
 
 
 def test_fully_parallel_wrappers_and_balanced_replicas(mpool, tmp_path):
@@ -152,6 +160,13 @@ def test_missing_key_fails_everywhere(mpool, tmp_path):
     errs = mpool.run(W.load_missing_key, path)
     assert {e[0] for e in errs} == {"StateMismatchError"}
     assert "rank 3: ShardedTensor 'no.such.key' is not in the checkpoint" in errs[0][1]
+    # a different global shape is an error, unless the ShardedTensor allows it (megatron's padded
+    # vocabularies, whose padding changes with TP): then zeros plus the stored overlap, as torch_dist does
+    res = mpool.run(W.padded_load, path)
+    assert [r[1] for r in res] == [True] * 4
+    assert {r[0][0] for r in res} == {"StateMismatchError"}
+    assert ("rank 3: ShardedTensor 'optimizer.state.exp_avg.w': checkpoint has shape [8, 6] dtype float32 prepended "
+            "axes 0, the state has shape [12, 6] dtype float32 prepended axes 0") in res[0][0][1]
 
 
 def test_global_flat_range():
@@ -170,6 +185,13 @@ def test_launch_rewrites_only_the_unickpt_format():
            (["--tp", "2", "--ckpt-format", "torch_dist", "--save", "x"], True)
     assert rewrite_argv(["--ckpt-format=unickpt"]) == (["--ckpt-format=torch_dist"], True)
     assert rewrite_argv(["--ckpt-format", "torch"]) == (["--ckpt-format", "torch"], False)
+    # argparse semantics: the last --ckpt-format wins; nothing after "--" is an option
+    assert rewrite_argv(["--ckpt-format", "unickpt", "--ckpt-format=torch_dist"]) == \
+           (["--ckpt-format", "torch_dist", "--ckpt-format=torch_dist"], False)
+    assert rewrite_argv(["--ckpt-format=torch", "--ckpt-format", "unickpt"]) == \
+           (["--ckpt-format=torch", "--ckpt-format", "torch_dist"], True)
+    assert rewrite_argv(["--", "--ckpt-format", "unickpt"]) == (["--", "--ckpt-format", "unickpt"], False)
+    assert rewrite_argv(["--ckpt-format"]) == (["--ckpt-format"], False)
 
 
 def test_launcher_and_flag_on_unmodified_script(tmp_path):

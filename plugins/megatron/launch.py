@@ -31,21 +31,27 @@ _ORIGINAL: dict = {}
 
 
 def rewrite_argv(argv: list[str]) -> tuple[list[str], bool]:
-    """``(argv with --ckpt-format unickpt replaced by --ckpt-format torch_dist, whether it was there)``."""
-    out, found, i = [], False, 0
+    """``(argv with every --ckpt-format unickpt replaced by --ckpt-format torch_dist, whether unickpt is
+    the format in effect)``. Follows argparse: the last ``--ckpt-format`` (``--ckpt-format X`` or
+    ``--ckpt-format=X``) wins, so ``--ckpt-format unickpt ... --ckpt-format torch_dist`` means
+    torch_dist, and nothing after a ``--`` separator is an option."""
+    out, fmt, i = [], None, 0
     while i < len(argv):
         a = argv[i]
-        if a == FLAG and i + 1 < len(argv) and argv[i + 1] == FORMAT:
-            out += [FLAG, "torch_dist"]
-            found, i = True, i + 2
+        if a == "--":
+            out += argv[i:]
+            break
+        if a == FLAG and i + 1 < len(argv):
+            fmt = argv[i + 1]
+            out += [FLAG, "torch_dist" if fmt == FORMAT else fmt]
+            i += 2
             continue
-        if a == f"{FLAG}={FORMAT}":
-            out.append(f"{FLAG}=torch_dist")
-            found = True
-        else:
-            out.append(a)
+        if a.startswith(FLAG + "="):
+            fmt = a[len(FLAG) + 1:]
+            a = f"{FLAG}=torch_dist" if fmt == FORMAT else a
+        out.append(a)
         i += 1
-    return out, found
+    return out, fmt == FORMAT
 
 
 def install() -> None:

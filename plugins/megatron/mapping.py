@@ -36,9 +36,13 @@ ids, for states whose replicas are bitwise identical (megatron keeps DP and TP r
 
 Loading cuts every requested shard the same way, using the split recorded at save time; a rank that
 needs several pieces of one fqn loads them in successive rounds (one collective ``unickpt.load`` each).
+A request with fewer prepended axes than saved (``dist_checkpointing.load_plain_tensors`` asks for
+whole stacked tensors) is read per stored layer; a ShardedTensor with ``allow_shape_mismatch`` (padded
+vocabularies) whose global shape differs gets zeros plus the stored overlap, megatron's torch_dist rule.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -368,6 +372,24 @@ def to_load_targets(sharded_state_dict: Any, infos: dict[str, KeyInfo], object_s
             if info is None:
                 out.errors.append(f"ShardedTensor {sh.key!r} is not in the checkpoint")
                 continue
+            if (info.shape, info.dtype) == want[:2] and info.prepend > want[2] and getattr(sh, "flattened_range", None) is None:
+                # fewer prepended axes than saved (load_plain_tensors asks for whole stacked tensors):
+                # one request per stored layer the box spans
+                try:
+                    for e, view in _unstack(sh, info):
+                        for piece in _pieces(e, info):
+                            put(piece[0], _shard(e, view, piece, 0))
+                except ValueError as err:
+                    out.errors.append(str(err))
+                continue
+            if _padded_overlap(sh, info, want):
+                # allow_shape_mismatch (padded vocabularies): megatron's torch_dist rule, zeros + the overlap
+                e = _entry(sh)
+                lens = tuple(max(0, min(o + n, g) - o) for o, n, g in zip(e.offsets, e.lengths, info.shape[info.prepend:]))
+                sh.data.zero_()
+                if all(lens):
+                    put(e.base, Shard(sh.data[tuple(slice(0, n) for n in lens)], info.shape[info.prepend:], offsets=e.offsets))
+                continue
             if (info.shape, info.dtype, info.prepend) != want:
                 out.errors.append(f"ShardedTensor {sh.key!r}: checkpoint has shape {list(info.shape)} dtype {info.dtype} "
                                   f"prepended axes {info.prepend}, the state has shape {list(want[0])} dtype {want[1]} "
@@ -391,6 +413,32 @@ def to_load_targets(sharded_state_dict: Any, infos: dict[str, KeyInfo], object_s
             n = object_sizes.get(sh.unique_key)
             if n is not None:
                 put(OBJECT_PREFIX + sh.unique_key, torch.empty(n, dtype=torch.uint8))
+    return out
+
+
+def _padded_overlap(sh: Any, info: KeyInfo, want: tuple) -> bool:
+    """Whether a request is loaded by megatron's ``allow_shape_mismatch`` rule: the ShardedTensor allows
+    it, only the global extents of its own (not prepended) axes differ, same dtype and rank, and the key
+    is neither stored as slabs nor requested as a flattened range (those keep the strict check)."""
+    shape, dtype, prepend = want
+    return (bool(getattr(sh, "allow_shape_mismatch", False)) and info.shape != shape and (info.dtype, info.prepend) ==
+            (dtype, prepend) and len(info.shape) == len(shape) and info.shape[:prepend] == shape[:prepend]
+            and info.split is None and getattr(sh, "flattened_range", None) is None)
+
+
+def _unstack(sh: Any, info: KeyInfo) -> list[tuple[_Entry, torch.Tensor]]:
+    """The boxes of a ShardedTensor request with fewer prepended axes than ``info`` (same global shape):
+    one per index of the axes ``sh.prepend_axis_num .. info.prepend - 1`` its local box spans, named
+    like the stored per-layer fqns, each with its view of ``sh.data``."""
+    p, k = sh.prepend_axis_num, info.prepend - sh.prepend_axis_num
+    offs = tuple(int(o) for o in sh.global_offset)
+    local = tuple(int(n) for n in sh.local_shape)
+    data = sh.data.view(local)
+    out: list[tuple[_Entry, torch.Tensor]] = []
+    for idx in itertools.product(*(range(n) for n in local[:k])):
+        gidx = offs[:p] + tuple(o + i for o, i in zip(offs[p:info.prepend], idx))
+        out.append((_Entry(sh, base_fqn(sh.key, gidx, info.prepend), tuple(info.shape[info.prepend:]),
+                           offs[info.prepend:], local[k:], None), data[idx]))
     return out
 
 

@@ -23,6 +23,7 @@ the finalize function raises the save's error, if any.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import tempfile
 import threading
@@ -36,7 +37,7 @@ import torch.distributed as dist
 
 from unickpt.engine import get_engine
 from unickpt.errors import IntegrityError, SaveFailedError, StateMismatchError
-from unickpt.metadata import read_metadata
+from unickpt.metadata import METADATA_FILE, read_metadata
 from unickpt.storage import Storage
 
 from .mapping import (OBJECT_PREFIX, KeyInfo, agree_layout, build_save_state, decode_object, prepare_save,
@@ -63,6 +64,36 @@ from megatron.core.dist_checkpointing.strategies.base import (  # noqa: E402
 def unickpt_dir(checkpoint_dir: str | os.PathLike) -> str:
     """The unickpt checkpoint inside a megatron checkpoint directory."""
     return os.path.join(os.fspath(checkpoint_dir), SUBDIR)
+
+
+log = logging.getLogger("unickpt.megatron")
+_UNFINALIZED: set[str] = set()
+"""unickpt paths of this process's async saves whose AsyncRequest is not finalized yet (megatron has not
+written its metadata.json): saving into them again is refused, even when the write itself is done."""
+
+
+def _clear_previous(engine: Any, checkpoint_dir: Any, path: str) -> list[str]:
+    """Group rank 0, before a save: megatron's overwrite semantics for a directory that already holds a
+    checkpoint. ``dist_checkpointing.save`` into a non-empty directory overwrites it (it only logs
+    "Overwriting old incomplete / corrupted checkpoint"), while unickpt never overwrites a committed
+    checkpoint. So, when ``path`` (``checkpoint_dir/unickpt``) holds a committed unickpt checkpoint that
+    no save of this process is still writing, megatron's ``metadata.json`` is removed first (from then on
+    megatron sees an incomplete checkpoint, never a mix of old and new) and then the unickpt part.
+    A save into ``checkpoint_dir`` still in flight in this process, or whose AsyncRequest is not finalized,
+    is an error. Returns error lines."""
+    if engine.in_flight(path) or path in _UNFINALIZED:
+        return [f"a save into {os.fspath(checkpoint_dir)!r} started by this process is still in flight (its "
+                "AsyncRequest is not finalized); finalize it before saving there again"]
+    storage = Storage(path)
+    if not storage.exists(storage.join(path, METADATA_FILE)):
+        return []
+    log.warning("unickpt.megatron: overwriting the checkpoint in %s (megatron's overwrite semantics)", checkpoint_dir)
+    try:
+        storage.rm(storage.join(os.fspath(checkpoint_dir), METADATA_FILE))
+        storage.rm(path)
+    except OSError as e:
+        return [f"cannot remove the previous checkpoint in {os.fspath(checkpoint_dir)!r}: {type(e).__name__}: {e}"]
+    return []
 
 
 def _gather(obj: Any, group: Any) -> list:
@@ -100,6 +131,9 @@ class UnickptSaveShardedStrategy(AsyncSaveShardedStrategy):
             each box once from the least loaded holder (replicas must be bitwise identical). Off:
             only main replicas (``replica_id`` 0) are written, megatron's rule.
 
+    Saving into a directory that already holds a checkpoint overwrites it (megatron's semantics, see
+    :func:`_clear_previous`); one whose async save is not finalized is refused.
+
     Every rank must call ``save`` / ``async_save``. A shard that cannot be stored (a flattened range
     that is not one global range, a pickle-only object) fails the save on every rank with
     :class:`unickpt.SaveFailedError` naming the rank and key; nothing is committed.
@@ -118,19 +152,21 @@ class UnickptSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def _start(self, sharded_state_dict: Any, checkpoint_dir: Any, async_save: bool):
         path = unickpt_dir(checkpoint_dir)
+        engine = get_engine(self.process_group)  # collective on first use: every rank, before rank 0 works alone
         prep = prepare_save(sharded_state_dict, allow_pickle=self.allow_pickle, balance_replicas=self.balance_replicas)
         infos, errors = agree_layout(_gather((prep.infos, prep.splits, prep.errors), self.process_group))
         if errors:
             raise SaveFailedError(path, {r: "; ".join(ms) for r, ms in errors.items()})
         state, build_errors = build_save_state(prep, infos)
-        failures = {_group_rank(self.process_group): build_errors} if build_errors else {}
-        if any(i.split for i in infos.values()):  # only then can building fail on some ranks and not others
-            failures = {r: ms for r, ms in enumerate(_gather(build_errors, self.process_group)) if ms}
+        if _group_rank(self.process_group) == 0 and not build_errors:
+            # only a save that can go ahead replaces the previous checkpoint; the others wait in the gather
+            build_errors = _clear_previous(engine, checkpoint_dir, path)
+        failures = {r: ms for r, ms in enumerate(_gather(build_errors, self.process_group)) if ms}
         if failures:
             raise SaveFailedError(path, {r: "; ".join(ms) for r, ms in failures.items()})
         extra = {"megatron": {"backend": self.backend, "backend_version": self.version, "object_prefix": OBJECT_PREFIX,
                               "keys": {k: i.to_json() for k, i in sorted(infos.items())}}}
-        return get_engine(self.process_group).save(path, state, async_save=async_save, framework="megatron", extra=extra)
+        return engine.save(path, state, async_save=async_save, framework="megatron", extra=extra)
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> None:
         """Save synchronously (returns once committed). Raises SaveFailedError and the engine's errors."""
@@ -143,6 +179,8 @@ class UnickptSaveShardedStrategy(AsyncSaveShardedStrategy):
         ``AsyncCallsQueue`` (or call ``execute_sync()``); its finalize function raises the save's error.
         """
         handle = self._start(sharded_state_dict, checkpoint_dir, async_save=True)
+        path = unickpt_dir(checkpoint_dir)
+        _UNFINALIZED.add(path)
         marker = os.path.join(tempfile.gettempdir(), f"unickpt-megatron-{os.getpid()}-{uuid.uuid4().hex}.done")
 
         def watch() -> None:
@@ -158,6 +196,7 @@ class UnickptSaveShardedStrategy(AsyncSaveShardedStrategy):
             try:
                 handle.wait()
             finally:
+                _UNFINALIZED.discard(path)
                 try:
                     os.unlink(marker)
                 except FileNotFoundError:
