@@ -48,18 +48,20 @@ import math
 import os
 import platform
 import pstats
-import sys
 import time
 from dataclasses import dataclass
 
 from unickpt.codec import str_to_dtype
 from unickpt.metadata import CHECKSUM_BLOCK_BYTES, CheckpointMetadata, block_size, build_metadata
-from unickpt.planner import LocalPlan, expand_plans, make_save_plan
+from unickpt.planner import LocalPlan, decode_plans, make_save_plan
 from unickpt.read_plan import make_read_plan
 from unickpt.reader import merge_ranges, piece_runs, widen_to_blocks
 from unickpt.resharding import Box, ChunkIndex, FlatRange, chunk_pieces
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+_clock = time.process_time
+"""Seconds are this process's CPU time: the machine is shared, and CPU time does not count the time
+other processes hold the cores (single-threaded code: CPU time ~ wall time on an idle machine)."""
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -207,31 +209,38 @@ def grid(world: int, tp: int = 8) -> tuple[int, int, int]:
 
 
 def plans_3d(cfg: ModelConfig, world: int, tp: int = 8, optim: bool = True) -> list[LocalPlan]:
-    """Megatron-style TP x PP x DP (rank = (pp_idx * dp + dp_idx) * tp + tp_idx): parameters TP-split
-    and replicated over DP; AdamW moments ZeRO-1-split along dim 0 of each TP shard over DP."""
+    """Megatron-style TP x PP x DP (rank = (pp_idx * dp + dp_idx) * tp + tp_idx). A rank's state holds
+    its stage's tensors only. Parameters: TP-split, replicated over DP. AdamW moments: the
+    distributed optimizer (ZeRO-1): per (PP, TP) group the stage's TP shards, concatenated in module
+    order, are split evenly over DP, each cut rounded up to a whole row of the tensor it falls in
+    (so that every piece is a box); a rank's piece of a tensor is a box of whole rows of its TP shard,
+    and most tensors lie within one or two ranks' pieces."""
     tp, pp, dp = grid(world, tp)
     params = model_params(cfg)
-    param_cache: dict[tuple[int, int], dict] = {}
     plans = []
-    for r in range(world):
-        tp_i, dp_i, pp_i = r % tp, (r // tp) % dp, r // (tp * dp)
-        key = (pp_i, tp_i)
-        if key not in param_cache:
-            t = {}
-            for fqn, shape, split, unit in params:
-                if pp_stage(unit, cfg.layers, pp) != pp_i:
-                    t[fqn] = ("bfloat16", shape, None)
-                    continue
-                t[fqn] = ("bfloat16", shape, _tp_box(shape, split, tp, tp_i))
-            param_cache[key] = t
-        t = dict(param_cache[key])
-        if optim:
-            for fqn, shape, split, unit in params:
-                box = t[fqn][2]
-                part = _dim0(box.lengths[0], dp, dp_i, box.lengths, box.offsets) if box is not None else None
-                for prefix, dtype in STATES[1:]:
-                    t[prefix + fqn] = (dtype, shape, part)
-        plans.append(_plan(r, t))
+    for pp_i in range(pp):
+        stage = [(fqn, shape, split) for fqn, shape, split, unit in params if pp_stage(unit, cfg.layers, pp) == pp_i]
+        for tp_i in range(tp):
+            boxes = [(fqn, shape, _tp_box(shape, split, tp, tp_i)) for fqn, shape, split in stage]
+            base = {fqn: ("bfloat16", shape, box) for fqn, shape, box in boxes}
+            per_dp: list[dict] = [dict(base) for _ in range(dp)] if optim else [base] * dp
+            if optim:
+                total = sum(box.numel for _, _, box in boxes)
+                per = -(-total // dp)
+                pos = 0
+                for fqn, shape, box in boxes:
+                    row = box.numel // box.lengths[0]
+                    for d in range(dp):
+                        lo = min(box.lengths[0], max(0, -(-(d * per - pos) // row)))
+                        hi = min(box.lengths[0], max(0, -(-((d + 1) * per - pos) // row)))
+                        part = (Box((box.offsets[0] + lo,) + box.offsets[1:], (hi - lo,) + box.lengths[1:])
+                                if hi > lo else None)
+                        for prefix, dtype in STATES[1:]:
+                            per_dp[d][prefix + fqn] = (dtype, shape, part)
+                    pos += box.numel
+            for dp_i in range(dp):
+                plans.append(_plan((pp_i * dp + dp_i) * tp + tp_i, per_dp[dp_i]))
+    plans.sort(key=lambda p: p.rank)
     return plans
 
 
@@ -266,13 +275,17 @@ def synthetic_digests(plan) -> list[list[tuple[str, tuple[str, ...], int]]]:
     """Per rank, per written chunk: a checksum, block checksums and block size of the lengths the
     save pipeline produces (format v1: one xxh3-64 per chunk, one per block for chunks > 1 MiB)."""
     out = []
+    blocks: dict[int, tuple] = {}  # one tuple per block count (the JSON text is what is measured)
     for r, writes in enumerate(plan.writes):
         rank = []
         for i, c in enumerate(writes):
             digest = f"xxh3_64:{(r * 1_000_003 + i) & 0xFFFFFFFFFFFFFFFF:016x}"
             if c.nbytes > CHECKSUM_BLOCK_BYTES:
                 b = block_size(c.nbytes)
-                rank.append((digest, tuple(digest for _ in range(-(-c.nbytes // b))), b))
+                n = -(-c.nbytes // b)
+                if n not in blocks:
+                    blocks[n] = tuple(f"xxh3_64:{k:016x}" for k in range(n))
+                rank.append((digest, blocks[n], b))
             else:
                 rank.append((digest, (), 0))
         out.append(rank)
@@ -281,36 +294,42 @@ def synthetic_digests(plan) -> list[list[tuple[str, tuple[str, ...], int]]]:
 
 def measure_save(plans: list[LocalPlan], *, parse: bool = True) -> tuple[dict, CheckpointMetadata]:
     """Plan a save as the engine does on a plan-cache miss: the ranks that are first with their
-    signature encode their plans (:meth:`LocalPlan.to_bytes`), every rank decodes the gathered
+    signature encode their plans (:meth:`LocalPlan.to_bytes`, without the tensor table when an earlier
+    rank has the same), every rank decodes the gathered
     bytes, expands them and runs :func:`make_save_plan`; then the commit's metadata is built,
     serialized and parsed."""
     world = len(plans)
     firsts = _firsts(plans)
-    t0 = time.perf_counter()
-    blobs = [p.to_bytes() if firsts[r] == r else b"" for r, p in enumerate(plans)]
-    encode_s = time.perf_counter() - t0
+    digests: dict[int, str] = {}  # each rank computes its own table digest (in parallel, at every save)
+    table_of: dict[str, int] = {}
+    table_firsts = [table_of.setdefault(digests.setdefault(id(p.tensors), p.table_digest()) if id(p.tensors) not in
+                                        digests else digests[id(p.tensors)], r) for r, p in enumerate(plans)]
+    t0 = _clock()
+    blobs = [p.to_bytes(with_table=table_firsts[r] == r) if firsts[r] == r else b"" for r, p in enumerate(plans)]
+    encode_s = _clock() - t0
     gc.collect()
-    t0 = time.perf_counter()
-    gathered = expand_plans([LocalPlan.from_bytes(b) if firsts[r] == r else None for r, b in enumerate(blobs)], firsts)
-    decode_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    t0 = _clock()
+    gathered = decode_plans(blobs, firsts, table_firsts)
+    decode_s = _clock() - t0
+    t0 = _clock()
     plan = make_save_plan(gathered)
-    plan_s = time.perf_counter() - t0
+    plan_s = _clock() - t0
     del gathered
     digests = synthetic_digests(plan)
-    t0 = time.perf_counter()
+    t0 = _clock()
     meta = build_metadata(plan, [{"digests": d, "per_rank_file": None} for d in digests], world_size=world,
                           skeleton={"t": "dict"}, step=0, run_id="sim")
     text = meta.to_json().encode()
-    build_s = time.perf_counter() - t0
+    build_s = _clock() - t0
     del meta, digests
     parsed, parse_s = None, None
     if parse:
         gc.collect()
-        t0 = time.perf_counter()
+        t0 = _clock()
         parsed = CheckpointMetadata.from_json(text)
-        parse_s = time.perf_counter() - t0
+        parse_s = _clock() - t0
     chunks = sum(len(w) for w in plan.writes)
+    blocks = sum(-(-c.nbytes // block_size(c.nbytes)) for w in plan.writes for c in w if c.nbytes > CHECKSUM_BLOCK_BYTES)
     rec = {
         "world": world, "plan_entries": sum(len(p.tensors) for p in plans), "distinct_plans": sum(
             1 for r, f in enumerate(firsts) if r == f), "gathered_bytes": sum(len(b) for b in blobs),
@@ -319,6 +338,7 @@ def measure_save(plans: list[LocalPlan], *, parse: bool = True) -> tuple[dict, C
         "planning_s": round(decode_s + plan_s, 3), "metadata_build_s": round(build_s, 3),
         "metadata_bytes": len(text), "metadata_bytes_per_chunk": round(len(text) / max(1, chunks), 1),
         "metadata_parse_s": None if parse_s is None else round(parse_s, 3),
+        "block_checksums": blocks, "block_checksum_bytes": blocks * len('"xxh3_64:0123456789abcdef",'),
         "max_mean_bytes": round(plan.max_mean_bytes, 4), "bytes": sum(plan.bytes_per_rank),
     }
     return rec, parsed
@@ -336,7 +356,7 @@ def measure_load(meta: CheckpointMetadata, targets: list[LocalPlan], *, verify: 
     :meth:`unickpt.reader.TargetReads.add` computes them (chunk index, overlaps, byte runs, merged,
     widened to checksum blocks), then the job-wide read plan every rank computes from the gathered
     needs. Ranks with identical plans (replicas) compute identical needs; they are computed once."""
-    t0 = time.perf_counter()
+    t0 = _clock()
     ids, index, chunk_meta = {}, {}, {}
     cid = 0
     for fqn in sorted(meta.tensors):  # the numbering of loading._ChunkTable
@@ -345,7 +365,7 @@ def measure_load(meta: CheckpointMetadata, targets: list[LocalPlan], *, verify: 
         chunk_meta[fqn] = t.chunks
         index[fqn] = ChunkIndex(t.shape, [c.spec for c in t.chunks])
         cid += len(t.chunks)
-    index_s = time.perf_counter() - t0
+    index_s = _clock() - t0
     itemsize = {fqn: str_to_dtype(t.dtype).itemsize for fqn, t in meta.tensors.items()}
     needs: list[dict] = []
     need_s: list[float] = []
@@ -354,7 +374,7 @@ def measure_load(meta: CheckpointMetadata, targets: list[LocalPlan], *, verify: 
         if id(p.tensors) in cache:
             needs.append(cache[id(p.tensors)])
             continue
-        t0 = time.perf_counter()
+        t0 = _clock()
         ranges: dict[int, list] = {}
         for fqn, (_, shape, spec) in p.tensors.items():
             if spec is None:
@@ -367,14 +387,151 @@ def measure_load(meta: CheckpointMetadata, targets: list[LocalPlan], *, verify: 
             for i, found in by_chunk.items():
                 rs = merge_ranges(piece_runs(found, isz))
                 ranges[ids[fqn][i]] = widen_to_blocks(rs, chunk_meta[fqn][i]) if verify else rs
-        need_s.append(time.perf_counter() - t0)
+        need_s.append(_clock() - t0)
         cache[id(p.tensors)] = ranges
         needs.append(ranges)
     gc.collect()
-    t0 = time.perf_counter()
+    t0 = _clock()
     segments = make_read_plan(needs)
-    read_plan_s = time.perf_counter() - t0
+    read_plan_s = _clock() - t0
     return {"target_world": len(targets), "need_entries": sum(len(n) for n in needs), "segments": len(segments),
             "index_s": round(index_s, 3), "needs_per_rank_max_s": round(max(need_s), 4),
             "needs_all_ranks_s": round(sum(need_s), 3), "read_plan_s": round(read_plan_s, 3),
             "bytes_read": sum(s.length for s in segments)}
+
+
+# --------------------------------------------------------------------------------------------- #
+# The table
+# --------------------------------------------------------------------------------------------- #
+WORLDS = (8, 64, 512, 4096, 10000)
+LOAD_TARGET = {8: 16, 64: 48, 512: 384, 4096: 3072, 10000: 7680}  # resharding loads: ~3/4 of the ranks
+QUICK_WORLDS = (8, 64, 512)
+
+
+def fit_exponent(xs: list[float], ys: list[float]) -> float | None:
+    """Least-squares slope of log(y) against log(x) (the growth exponent: 1.0 is linear), over the
+    points with x >= 64 ranks' worth and y >= 10 ms (smaller ones are dominated by constant costs)."""
+    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y and y >= 0.01]
+    if len(pts) < 2:
+        return None
+    mx, my = sum(p[0] for p in pts) / len(pts), sum(p[1] for p in pts) / len(pts)
+    den = sum((p[0] - mx) ** 2 for p in pts)
+    return round(sum((p[0] - mx) * (p[1] - my) for p in pts) / den, 2) if den else None
+
+
+def run_case(model: str, layout: str, world: int, target: int | None, optim: bool = True) -> dict:
+    """One simulated job: its save (planning, metadata) and, with ``target``, a resharding load of
+    the same layout family at ``target`` ranks. ``optim``: AdamW moments too (else parameters only)."""
+    t0 = _clock()
+    plans = make_plans(model, layout, world, optim)
+    gen_s = _clock() - t0
+    rec, meta = measure_save(plans)
+    del plans
+    rec.update(model=model, layout=layout, state="params+adam" if optim else "params", generate_s=round(gen_s, 2),
+               load=None)
+    if target:
+        targets = make_plans(model, layout, target, optim)
+        rec["load"] = measure_load(meta, targets)
+        del targets
+    del meta
+    gc.collect()
+    return rec
+
+
+def _growth(records: list[dict]) -> dict:
+    out = {}
+    for key in sorted({(r["model"], r["layout"], r["state"]) for r in records}):
+        rs = sorted((r for r in records if (r["model"], r["layout"], r["state"]) == key), key=lambda r: r["world"])
+        if len(rs) < 3:
+            continue
+        ent = [r["plan_entries"] for r in rs]
+        loads = [r for r in rs if r["load"]]
+        out[f"{key[0]}/{key[1]}/{key[2]}"] = {
+            "planning_s_vs_entries": fit_exponent(ent, [r["planning_s"] for r in rs]),
+            "planning_s_vs_world": fit_exponent([r["world"] for r in rs], [r["planning_s"] for r in rs]),
+            "metadata_bytes_vs_chunks": fit_exponent([r["chunks"] for r in rs], [r["metadata_bytes"] for r in rs]),
+            "metadata_bytes_vs_world": fit_exponent([r["world"] for r in rs], [r["metadata_bytes"] for r in rs]),
+            "read_plan_s_vs_need_entries": fit_exponent([r["load"]["need_entries"] for r in loads],
+                                                        [r["load"]["read_plan_s"] for r in loads]),
+        }
+    return out
+
+
+def markdown(records: list[dict], growth: dict, machine: dict) -> str:
+    lines = ["# Planner simulation (benchmarks/plan_sim.py)", "",
+             f"Machine: {machine['cpus']} CPUs, load average {machine['load_avg']} at the start, "
+             f"{machine['load_avg_end']} at the end (shared with other jobs: seconds are upper bounds). "
+             "Planning = decode of the gathered compact plans + make_save_plan, as every rank runs it on a "
+             "plan-cache miss. Read plan = make_read_plan over all target ranks' needs; needs/rank = the "
+             "slowest rank's own need computation (ranks compute theirs in parallel).", "",
+             "| model | layout | state | ranks | plan entries | chunks | planning s | metadata MB (block checksums) "
+             "| parse s | max/mean bytes | load into | read plan s | needs/rank s |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in records:
+        ld = r["load"] or {}
+        lines.append(f"| {r['model']} | {r['layout']} | {r['state']} | {r['world']} | {r['plan_entries']:,} | "
+                     f"{r['chunks']:,} | {r['planning_s']:.2f} | {r['metadata_bytes'] / 1e6:.1f} "
+                     f"({r['block_checksum_bytes'] / 1e6:.1f}) | {r['metadata_parse_s']:.2f} | "
+                     f"{r['max_mean_bytes']:.3f} | {ld.get('target_world', '-')} | "
+                     f"{ld.get('read_plan_s', '-')} | {ld.get('needs_per_rank_max_s', '-')} |")
+    lines += ["", "Fitted growth exponents (slope of log-log; 1.0 = linear):", "",
+              "| model/layout | planning vs ranks x entries | planning vs ranks | metadata bytes vs chunks | "
+              "metadata bytes vs ranks | read plan vs need entries |", "|---|---:|---:|---:|---:|---:|"]
+    for k, g in growth.items():
+        lines.append(f"| {k} | {g['planning_s_vs_entries']} | {g['planning_s_vs_world']} | "
+                     f"{g['metadata_bytes_vs_chunks']} | {g['metadata_bytes_vs_world']} | {g['read_plan_s_vs_need_entries']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="8, 64, 512 ranks only")
+    ap.add_argument("--model", choices=sorted(MODELS), help="one case: model")
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), help="one case: layout")
+    ap.add_argument("--world", type=int, help="one case: ranks")
+    ap.add_argument("--target", type=int, help="one case: ranks of the resharding load (0: none)")
+    ap.add_argument("--params-only", action="store_true", help="one case: parameters only (no AdamW moments)")
+    ap.add_argument("--profile", action="store_true", help="one case under cProfile (top 25 by own time)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "plan_sim.json"))
+    args = ap.parse_args(argv)
+    machine = {"cpus": os.cpu_count(), "python": platform.python_version(),
+               "load_avg": round(os.getloadavg()[0], 1)}
+    if args.model or args.layout or args.world:
+        model, layout, world = args.model or "405b", args.layout or "3d", args.world or 512
+        target = LOAD_TARGET.get(world) if args.target is None else args.target
+        if args.profile:
+            prof = cProfile.Profile()
+            rec = prof.runcall(run_case, model, layout, world, target, not args.params_only)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        else:
+            rec = run_case(model, layout, world, target, not args.params_only)
+        print(json.dumps(rec, indent=1))
+        return
+    worlds = QUICK_WORLDS if args.quick else WORLDS
+    cases = [("405b", "3d", w, True) for w in worlds] + [("405b", "hsdp", w, True) for w in worlds]
+    cases += [("405b", "fsdp", w, True) for w in QUICK_WORLDS] + [("405b", "fsdp-flat", w, True) for w in QUICK_WORLDS]
+    cases += [("405b", "3d", worlds[-1], False), ("405b", "hsdp", worlds[-1], False)]
+    records = []
+    for model, layout, world, optim in cases:
+        rec = run_case(model, layout, world, LOAD_TARGET[world], optim)
+        print(f"{model:5} {layout:9} {rec['state']:11} {world:6}: planning {rec['planning_s']:7.2f} s, {rec['chunks']:8,} chunks, "
+              f"metadata {rec['metadata_bytes'] / 1e6:7.1f} MB parsed in {rec['metadata_parse_s']:.2f} s, "
+              f"read plan {rec['load']['read_plan_s']:.2f} s", flush=True)
+        records.append(rec)
+        md = _write(args.out, records, machine)  # after every case: a long run leaves what it measured
+    print(md)
+
+
+def _write(out: str, records: list[dict], machine: dict) -> str:
+    machine["load_avg_end"] = round(os.getloadavg()[0], 1)
+    growth = _growth(records)
+    with open(out, "w") as f:
+        json.dump({"machine": machine, "records": records, "growth": growth}, f, indent=1)
+    md = markdown(records, growth, machine)
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write(md)
+    return md
+
+
+if __name__ == "__main__":
+    main()

@@ -8,10 +8,12 @@ Save sequence (every rank of the group; the threads are :mod:`unickpt.pipeline`'
    staged (step 3); in ``overlap`` mode it returns at once (see :mod:`unickpt.pipeline`).
 2. stager thread, **plan**: group rank 0 refuses a committed, in-flight or foreign target directory
    and clears an incomplete one; then the ranks agree on the plan with one small collective, a
-   fixed-size ``all_gather`` (40 bytes per rank: plan signature, options digest, error flag) on
+   fixed-size ``all_gather`` (48 bytes per rank: plan signature, table, options digests, error flag) on
    the private *plan* group. When this combination of signatures was planned before (the plan
-   cache), that is the only planning collective; otherwise the local plans are gathered
-   (``all_gather_object``) and :func:`~unickpt.planner.make_save_plan` derives the same plan on
+   cache), that is the only planning collective; otherwise the local plans are gathered as compact
+   JSON (:meth:`~unickpt.planner.LocalPlan.to_bytes`, two collectives, no pickle; a rank whose
+   signature repeats an earlier rank's sends nothing, one whose tensor table repeats an earlier
+   rank's sends its shards only) and :func:`~unickpt.planner.make_save_plan` derives the same plan on
    every rank (replicas written once and balanced, files and offsets, merge transfers). The
    exchange cannot be skipped safely: one rank's layout may change while the others' do not, and
    only an exchange lets all ranks hit or miss the cache together; it runs off the caller's
@@ -29,7 +31,7 @@ Save sequence (every rank of the group; the threads are :mod:`unickpt.pipeline`'
 A failure anywhere leaves no ``metadata.json``, so the directory is never loaded, and the
 previously committed checkpoints are not touched. :class:`SaveStats` counts each save's
 collectives: ``collectives_plan`` 1 on a plan-cache hit, 3 on a miss; ``collectives_commit`` 3
-(2 for the results' ``all_gather_object``, 1 for the status broadcast; 2 more if the commit failed).
+(2 for the results' gather as compact JSON, 1 for the status broadcast; 2 more if the commit failed).
 """
 from __future__ import annotations
 
@@ -49,14 +51,14 @@ from typing import Any, Callable
 import torch
 
 from . import codec
-from .collectives import Comm
+from .collectives import Comm, local_synchronization
 from .errors import CheckpointExistsError, SaveFailedError, UnsafeObjectError
 from .loading import load_checkpoint
 from .merging import P2P
-from .metadata import (METADATA_FILE, WRITER_FILE, ChunkMeta, CheckpointMetadata, TensorMeta, is_incomplete_checkpoint,
+from .metadata import (METADATA_FILE, WRITER_FILE, CheckpointMetadata, build_metadata, is_incomplete_checkpoint,
                        writer_alive, writer_record)
 from .pipeline import SaveJob, SaveOptions, SavePipeline
-from .planner import LocalPlan, SavePlan, _spec_key, make_local_plan, make_save_plan
+from .planner import LocalPlan, SavePlan, decode_plans, make_local_plan, make_save_plan
 from .reader import LoadStats
 from .staging import StagingPool
 from .state import FlatState, check_leaf_fits, flatten
@@ -71,7 +73,7 @@ OVERLAP_CLONE_BYTES = 64 << 20
 """Overlap snapshots: tensors no optimizer owns (buffers, plain tensors) up to this many bytes in all
 are cloned at the call, so that the caller returns without waiting for the plan; more are staged
 before the call returns."""
-_SIG_BYTES = 40  # error flag, 16-byte plan signature, 8-byte objects digest, 8-byte options digest
+_SIG_BYTES = 48  # error flag, 16-byte plan signature, 8-byte objects digest, 8-byte options digest, 8-byte table digest
 
 
 @dataclass
@@ -268,7 +270,7 @@ class Engine:
             from datetime import timedelta
 
             group = dist.new_group(self.comm.ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
-                                   use_local_synchronization=True)
+                                   use_local_synchronization=local_synchronization(self.comm.ranks))
             p2p = P2P(group, self.comm.ranks)
         self._p2p = p2p
         self._pipeline = SavePipeline(p2p, self.rank)
@@ -456,6 +458,7 @@ class Engine:
             mine[1:17] = bytes.fromhex(signature)
             mine[17:25] = bytes.fromhex(local.objects_digest or "00" * 8)
             mine[25:33] = opt_digest
+            mine[33:41] = bytes.fromhex(local.table_digest())
         else:
             mine[0] = 1
         if self.world_size > 1:
@@ -495,8 +498,18 @@ class Engine:
             return cached
         plans = [local]
         if self.world_size > 1:
-            plans = self.comm.all_gather(local, self.comm.plan_group)
+            # a rank whose signature repeats an earlier rank's (a replica's layout) sends nothing, one
+            # whose tensor table repeats an earlier rank's sends its specs only: the gathered bytes
+            # grow with the distinct layouts and shards, not with world size x keys
+            first_of: dict[bytes, int] = {}
+            firsts = [first_of.setdefault(row[1:17], r) for r, row in enumerate(rows)]
+            table_of: dict[bytes, int] = {}
+            table_firsts = [table_of.setdefault(row[33:41], r) for r, row in enumerate(rows)]
+            me = self.rank
+            mine_bytes = b"" if firsts[me] != me else local.to_bytes(with_table=table_firsts[me] == me)
+            blobs = self.comm.all_gather_bytes(mine_bytes, self.comm.plan_group)
             stats.collectives_plan += 2
+            plans = decode_plans(blobs, firsts, table_firsts)
         plan = make_save_plan(plans, flat_ranges=opts.flat_ranges, segment_bytes=opts.segment_bytes)
         self._plan_cache[key] = plan
         while len(self._plan_cache) > PLAN_CACHE_SIZE:
@@ -601,7 +614,9 @@ class Engine:
         log.debug("unickpt: %s drained in %.3f s", job.path, time.perf_counter() - t_drain)
         t_commit = time.perf_counter()
         try:
-            results = self.comm.all_gather(result, self.comm.background_group)
+            # compact JSON, no pickle: two collectives whatever the world size (see Comm.all_gather_bytes)
+            results = [json.loads(b) for b in self.comm.all_gather_bytes(json.dumps(result).encode(),
+                                                                          self.comm.background_group)]
             if self.world_size > 1:
                 stats.collectives_commit += 2
         except Exception as e:
@@ -682,29 +697,14 @@ class Engine:
                 commit.on_commit()
             except Exception:
                 log.exception("unickpt: post-commit step (latest pointer / retention) failed for %s", commit.job.path)
-        log.info("unickpt: committed %s: %.1f MB by rank 0, stall %.3f s, total %.3f s", commit.job.path,
-                 stats.bytes_written / 1e6, stats.stall_s, stats.total_s)
+        nbytes = sum(stats.bytes_per_rank) or stats.bytes_written  # the job's tensor bytes
+        log.info("unickpt: committed %s (step %s): %.1f MB in %.3f s (%.2f GB/s), stall %.3f s, %d rank(s)",
+                 commit.job.path, stats.step, nbytes / 1e6, stats.total_s, nbytes / 1e9 / max(stats.total_s, 1e-9),
+                 stats.stall_s, self.world_size, extra={"unickpt_event": "save", "unickpt_stats": stats})
 
     def _build_metadata(self, commit: _Commit, results: list[dict]) -> CheckpointMetadata:
-        job = commit.job
-        plan = job.plan
-        chunks: dict[str, list[ChunkMeta]] = {fqn: [] for fqn in plan.tensors}
-        for r, writes in enumerate(plan.writes):
-            for c, (digest, blocks, block_bytes) in zip(writes, results[r]["digests"]):
-                chunks[c.fqn].append(ChunkMeta(c.spec, c.file, c.offset, c.nbytes, digest, tuple(blocks), block_bytes))
-        tensors = {
-            fqn: TensorMeta(dtype, shape, tuple(sorted(chunks[fqn], key=lambda c: _spec_key(c.spec))))
-            for fqn, (dtype, shape) in plan.tensors.items()
-        }
-        per_rank = {}
-        if plan.per_rank_fqns:
-            per_rank = {"world_size": self.world_size, "fqns": list(plan.per_rank_fqns),
-                        "files": [r["per_rank_file"] for r in results]}
-        return CheckpointMetadata(
-            tensors=tensors, state_tree=commit.skeleton, layout={"world_size": self.world_size},
-            aliases=plan.aliases, per_rank=per_rank, step=commit.step, framework=commit.framework,
-            run_id=self.run_id, extra=commit.extra,
-        )
+        return build_metadata(commit.job.plan, results, world_size=self.world_size, skeleton=commit.skeleton,
+                              step=commit.step, framework=commit.framework, run_id=self.run_id, extra=commit.extra)
 
     # -- load -------------------------------------------------------------------------------------
     def load(self, path: str, state: dict, *, strict: bool = True, storage_options: dict | None = None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import socket
 import time
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import codec
+from . import codec, dcp_compat
 from .codec import str_to_dtype
 from .collectives import Comm
 from .errors import (CheckpointNotFoundError, FormatVersionError, IntegrityError, LoadFailedError,
@@ -32,6 +33,8 @@ from .state import flatten, saved_leaves
 from .storage import Storage
 
 __all__ = ["load_checkpoint", "DEFAULT_READ_BUFFER_BYTES", "DEFAULT_READ_THREADS"]
+
+log = logging.getLogger("unickpt")
 
 DEFAULT_READ_BUFFER_BYTES = 512 << 20  # per rank per round; UNICKPT_LOAD_BUFFER_BYTES overrides
 DEFAULT_READ_THREADS = 4  # ranged reads in flight per rank; UNICKPT_READ_THREADS overrides
@@ -51,6 +54,8 @@ def load_checkpoint(comm: Comm, path: str, state: dict, *, strict: bool = True, 
     t0 = time.perf_counter()
     stats = LoadStats()
     storage = Storage(path, storage_options)
+    if dcp_compat.is_dcp_checkpoint(storage, path):  # a torch.distributed.checkpoint directory (migration)
+        return dcp_compat.load_dcp_checkpoint(comm, storage, path, state, strict=strict, allow_pickle=allow_pickle)
     local_error: BaseException | None = None
     signature = None
     try:
@@ -112,6 +117,12 @@ def load_checkpoint(comm: Comm, path: str, state: dict, *, strict: bool = True, 
     for apply in flat.appliers:
         apply()
     stats.total_s = time.perf_counter() - t0
+    if comm.rank == 0:
+        got = stats.bytes_read + stats.bytes_received
+        log.info("unickpt: loaded %s (step %s): %.1f MB into rank 0 (%.1f MB read, %.1f MB received) in %.3f s "
+                 "(%.2f GB/s), stall %.3f s, %d rank(s)", path, meta.step, got / 1e6, stats.bytes_read / 1e6,
+                 stats.bytes_received / 1e6, stats.total_s, got / 1e9 / max(stats.total_s, 1e-9), stats.total_s,
+                 comm.world_size, extra={"unickpt_event": "load", "unickpt_stats": stats})
     return stats
 
 
@@ -165,8 +176,15 @@ def _read_plan(comm: Comm, need: TargetReads, gathered: list, stats: LoadStats) 
         cache.move_to_end(key)
         stats.plan_cache_hit = True
         return cache[key]
-    needs = comm.all_gather(need.ranges, comm.plan_group)
-    cache[key] = make_read_plan(needs)
+    # ranks whose needs signature repeats an earlier rank's (replicas) send nothing; the others send
+    # their needs as compact JSON (no pickle), so what travels grows with the distinct needs
+    first_of: dict[str, int] = {}
+    firsts = [first_of.setdefault(k, r) for r, k in enumerate(key)]
+    mine = json.dumps(list(need.ranges.items())).encode() if firsts[comm.rank] == comm.rank else b""
+    blobs = comm.all_gather_bytes(mine, comm.plan_group)
+    distinct = {r: {int(cid): [(int(s), int(n)) for s, n in rs] for cid, rs in json.loads(blobs[r])}
+                for r in set(firsts)}
+    cache[key] = make_read_plan([distinct[f] for f in firsts])
     while len(cache) > PLAN_CACHE_SIZE:
         cache.popitem(last=False)
     return cache[key]

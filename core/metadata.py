@@ -33,7 +33,7 @@ import xxhash
 
 from .codec import str_to_dtype
 from .errors import CheckpointNotFoundError, FormatVersionError, IntegrityError
-from .resharding import ChunkSpec, check_exact_cover, spec_from_json, spec_to_json
+from .resharding import Box, ChunkSpec, check_exact_cover, gc_paused, spec_from_json, spec_to_json
 
 __all__ = [
     "FORMAT_NAME",
@@ -46,6 +46,7 @@ __all__ = [
     "chunk_checksums",
     "CHECKSUM_BLOCK_BYTES",
     "read_metadata",
+    "build_metadata",
     "is_incomplete_checkpoint",
     "WRITER_FILE",
     "writer_record",
@@ -179,6 +180,11 @@ class CheckpointMetadata:
     @classmethod
     def from_json(cls, text: str | bytes, *, source: str = "metadata.json") -> "CheckpointMetadata":
         """Parse and validate. Raises FormatVersionError for another format or an unknown version."""
+        with gc_paused():
+            return cls._parse(text, source)
+
+    @classmethod
+    def _parse(cls, text: str | bytes, source: str) -> "CheckpointMetadata":
         try:
             doc = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -229,6 +235,39 @@ class CheckpointMetadata:
             extra=doc.get("extra", {}),
             format_version=version,
         )
+
+
+def build_metadata(plan: Any, results: list[dict], *, world_size: int, skeleton: Any, step: int | None = None,
+                   framework: str | None = None, run_id: str | None = None, extra: dict | None = None) -> CheckpointMetadata:
+    """The metadata a save commits: every chunk of ``plan`` (a :class:`unickpt.planner.SavePlan`)
+    with its file, offset and checksums, tensors' chunks in spec order.
+
+    Args:
+        results: per rank, ``{"digests": [(checksum, block checksums, block bytes)] in the order of
+            plan.writes[rank], "per_rank_file": relative path or None}``.
+        world_size: the saving world (``layout.world_size``; also ``per_rank.world_size``).
+
+    Linear in the number of chunks (one sort per tensor).
+    """
+    chunks: dict[str, list[ChunkMeta]] = {fqn: [] for fqn in plan.tensors}
+    for r, writes in enumerate(plan.writes):
+        for c, (digest, blocks, block_bytes) in zip(writes, results[r]["digests"]):
+            chunks[c.fqn].append(ChunkMeta(c.spec, c.file, c.offset, c.nbytes, digest, tuple(blocks), block_bytes))
+    tensors = {
+        fqn: TensorMeta(dtype, shape, tuple(sorted(chunks[fqn], key=lambda c: _spec_order(c.spec))))
+        for fqn, (dtype, shape) in plan.tensors.items()
+    }
+    per_rank = {}
+    if plan.per_rank_fqns:
+        per_rank = {"world_size": world_size, "fqns": list(plan.per_rank_fqns),
+                    "files": [r["per_rank_file"] for r in results]}
+    return CheckpointMetadata(tensors=tensors, state_tree=skeleton, layout={"world_size": world_size},
+                              aliases=plan.aliases, per_rank=per_rank, step=step, framework=framework,
+                              run_id=run_id, extra=extra or {})
+
+
+def _spec_order(spec: ChunkSpec) -> tuple:
+    return (0, spec.offsets, spec.lengths) if isinstance(spec, Box) else (1, (spec.start,), (spec.length,))
 
 
 WRITER_FILE = ".unickpt-writer"

@@ -12,8 +12,9 @@ Pure functions: deterministic, so every rank computes the same plan from the sam
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
+
+from .resharding import LeastLoaded, gc_paused
 
 __all__ = ["Segment", "make_read_plan", "batches"]
 
@@ -32,14 +33,15 @@ class Segment:
     needers: tuple[int, ...]
 
 
-def _covered(ranges: Ranges, starts: list[int], a: int) -> bool:
-    i = bisect.bisect_right(starts, a) - 1
-    return i >= 0 and ranges[i][0] + ranges[i][1] > a
-
-
 def make_read_plan(needs: list[dict[int, Ranges]]) -> list[Segment]:
     """Segments for all chunks, ordered by (chunk id, start). ``needs[rank][chunk_id]`` are sorted,
-    non-overlapping ranges (as :func:`unickpt.reader.merge_ranges` returns)."""
+    non-overlapping ranges (as :func:`unickpt.reader.merge_ranges` returns). Cost: O(n log n) in
+    the number of ranges plus, per cut position, the ranks needing it."""
+    with gc_paused():
+        return _make_read_plan(needs)
+
+
+def _make_read_plan(needs: list[dict[int, Ranges]]) -> list[Segment]:
     by_chunk: dict[int, dict[int, Ranges]] = {}
     for rank, rank_needs in enumerate(needs):
         for cid, ranges in rank_needs.items():
@@ -48,20 +50,53 @@ def make_read_plan(needs: list[dict[int, Ranges]]) -> list[Segment]:
     pieces = []  # (chunk id, start, length, needers)
     for cid in sorted(by_chunk):
         holders = by_chunk[cid]
-        starts = {r: [s for s, _ in rs] for r, rs in holders.items()}
-        cuts = sorted({x for rs in holders.values() for s, n in rs for x in (s, s + n)})
-        for a, b in zip(cuts, cuts[1:]):
-            who = tuple(r for r in sorted(holders) if _covered(holders[r], starts[r], a))
-            if who:
-                pieces.append((cid, a, b - a, who))
+        same: dict[tuple, list[int]] = {}
+        keys: dict[int, tuple] = {}  # ranks with identical needs often share one list (see loading)
+        for r, rs in holders.items():
+            k = keys.get(id(rs))
+            if k is None:
+                k = keys[id(rs)] = tuple(rs)
+            same.setdefault(k, []).append(r)
+        if len(same) == 1:  # one needer, or replicas needing the same ranges: no cuts between them
+            (rs, who), = same.items()
+            pieces += [(cid, a, n, tuple(who)) for a, n in rs if n > 0]
+            continue
+        # sweep over the range boundaries, keeping the set of ranks whose ranges cover the position:
+        # O(boundaries x needers per position), not O(boundaries x holders)
+        events: dict[int, list[tuple[int, int]]] = {}
+        for r, rs in holders.items():
+            for a, n in rs:
+                if n > 0:
+                    events.setdefault(a, []).append((1, r))
+                    events.setdefault(a + n, []).append((0, r))
+        cuts = sorted(events)
+        active: set[int] = set()
+        for a, b in zip(cuts, cuts[1:] + [None]):
+            for kind, r in sorted(events[a]):  # ends before starts at one position
+                if kind:
+                    active.add(r)
+                else:
+                    active.discard(r)
+            if active and b is not None:
+                pieces.append((cid, a, b - a, tuple(sorted(active))))
     load: dict[int, int] = {}
     reader_of: dict[int, int] = {}
-    # segments only one rank needs are that rank's to read: count them first, then balance the shared ones
+    pickers: dict[tuple[int, ...], LeastLoaded] = {}
+    # segments only one rank needs are that rank's to read: count them first, then balance the shared
+    # ones, each to min(needers, key=(bytes so far, rank)) (a heap per needer set: O(log n), same choice)
     for i in sorted(range(len(pieces)), key=lambda i: (len(pieces[i][3]) > 1, -pieces[i][2], i)):
         who = pieces[i][3]
-        reader = min(who, key=lambda r: (load.get(r, 0), r))
+        if len(who) == 1:
+            reader = who[0]
+            load[reader] = load.get(reader, 0) + pieces[i][2]
+        else:
+            picker = pickers.get(who)
+            if picker is None:
+                picker = pickers[who] = LeastLoaded(who, load)
+            reader = picker.pop_min()
+            load[reader] = load.get(reader, 0) + pieces[i][2]
+            picker.refresh(reader)
         reader_of[i] = reader
-        load[reader] = load.get(reader, 0) + pieces[i][2]
     segments: list[Segment] = []
     for i, (cid, start, length, who) in enumerate(pieces):
         last = segments[-1] if segments else None

@@ -16,11 +16,11 @@ import torch
 
 from .errors import IntegrityError
 from .metadata import ChunkMeta, checksum
-from .resharding import Box, FlatRange, Piece, byte_runs, chunk_pieces, intersect, row_major_strides
+from .resharding import Box, ChunkIndex, FlatRange, Piece, byte_runs, chunk_pieces, row_major_strides
 from .state import TensorLeaf
 from .storage import Storage
 
-__all__ = ["LoadStats", "Overlap", "TargetReads", "merge_ranges", "widen_to_blocks", "verify_ranges",
+__all__ = ["LoadStats", "Overlap", "TargetReads", "merge_ranges", "piece_runs", "widen_to_blocks", "verify_ranges",
            "read_ranges", "copy_overlaps"]
 
 
@@ -78,16 +78,15 @@ class TargetReads:
             leaf = TensorLeaf(leaf.fqn, leaf.dtype, leaf.global_shape, staging, leaf.spec)
         self.expected[leaf.fqn] = leaf.spec.numel
         targets = _target_views(leaf)
-        for cid, chunk in chunks:
-            found = []
-            for piece in chunk_pieces(chunk.spec, shape):
-                for tbox, view in targets:
-                    inter = intersect(tbox, piece.box)
-                    if inter is not None:
-                        found.append(Overlap(piece, inter, tbox, view, leaf.fqn))
-            if not found:
-                continue
-            runs = [(o.piece.elem_offset * isz + s, n) for o in found for s, n in byte_runs(o.piece.box, o.inter, isz)]
+        by_chunk: dict[int, list] = {}  # chunk index -> (piece offset, target index, Overlap)
+        index = ChunkIndex(shape, [c.spec for _, c in chunks])
+        for t, (tbox, view) in enumerate(targets):
+            for i, piece, inter in index.overlapping(tbox):
+                by_chunk.setdefault(i, []).append((piece.elem_offset, t, Overlap(piece, inter, tbox, view, leaf.fqn)))
+        for i in sorted(by_chunk):
+            cid, chunk = chunks[i]
+            found = [o for _, _, o in sorted(by_chunk[i], key=lambda x: x[:2])]
+            runs = piece_runs([(o.piece, o.inter) for o in found], isz)
             if cid not in self.overlaps and len(found) == 1:
                 self._maybe_direct(cid, chunk, found[0], isz)
             else:
@@ -105,6 +104,12 @@ class TargetReads:
         dst = _narrowed(o.target, o.tbox, o.inter)
         if dst.device.type == "cpu" and dst.is_contiguous() and not dst.is_conj() and not dst.is_neg():
             self.direct[cid] = dst.reshape(-1).view(torch.uint8)
+
+
+def piece_runs(found: list[tuple[Piece, Box]], isz: int) -> list[tuple[int, int]]:
+    """Chunk-relative byte runs ``(start, length)`` holding the intersections ``found``
+    (``(piece, intersection)`` pairs of one chunk), unmerged."""
+    return [(p.elem_offset * isz + s, n) for p, inter in found for s, n in byte_runs(p.box, inter, isz)]
 
 
 def _narrowed(target: torch.Tensor, tbox: Box, inter: Box) -> torch.Tensor:

@@ -9,6 +9,10 @@ box-box intersection. No process group, no I/O: everything here is unit-testable
 """
 from __future__ import annotations
 
+import bisect
+import contextlib
+import gc
+import heapq
 import itertools
 import math
 from dataclasses import dataclass
@@ -18,6 +22,7 @@ __all__ = [
     "Box",
     "FlatRange",
     "ChunkSpec",
+    "ChunkIndex",
     "Piece",
     "chunk_pieces",
     "chunk_numel",
@@ -27,7 +32,47 @@ __all__ = [
     "spec_to_json",
     "spec_from_json",
     "check_exact_cover",
+    "gc_paused",
+    "LeastLoaded",
 ]
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for an allocation-heavy pure computation (planning,
+    metadata parsing). They create millions of small acyclic objects; each generation-2 pass walks
+    every live object, which made planning ~2x slower and grows with the heap (measured in
+    benchmarks/plan_sim.py). Reference counting still frees everything; the collector resumes after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+class LeastLoaded:
+    """``min(ranks, key=lambda r: (load.get(r, 0), r))`` for a fixed set of ranks whose loads (a dict
+    shared with the caller) only grow, in O(log n) amortized per call (a heap with lazy updates)
+    instead of O(n): the writer and reader balancing of the save and read plans."""
+
+    def __init__(self, ranks: tuple[int, ...], load: dict[int, int]):
+        self.load = load
+        self.heap = [(load.get(r, 0), r) for r in ranks]
+        heapq.heapify(self.heap)
+
+    def pop_min(self) -> int:
+        while True:
+            stored, r = self.heap[0]
+            now = self.load.get(r, 0)
+            if stored == now:
+                return r
+            heapq.heapreplace(self.heap, (now, r))  # stale (the rank was given bytes since): refresh
+
+    def refresh(self, r: int) -> None:
+        """Call after ``load[r]`` grew, when ``r`` was the minimum just returned."""
+        heapq.heapreplace(self.heap, (self.load.get(r, 0), r))
 
 
 @dataclass(frozen=True)
@@ -120,6 +165,51 @@ def chunk_pieces(spec: ChunkSpec, global_shape: Sequence[int]) -> list[Piece]:
         pieces.append(Piece(box, off))
         off += box.numel
     return pieces
+
+
+class ChunkIndex:
+    """The storage-contiguous pieces (:func:`chunk_pieces`) of one tensor's chunks, sorted by their
+    first index along dim 0, so that finding the pieces a box overlaps costs O(log n + k) for the
+    usual layouts (chunks cut along dim 0, flat ranges) instead of a scan of every chunk; chunks
+    that all span dim 0 (cut along an inner dim only) are scanned, k of them. Building costs
+    O(n log n) for ``n`` pieces.
+
+    Args:
+        global_shape: the tensor's shape.
+        specs: its chunks; results name them by their index in this list.
+    """
+
+    def __init__(self, global_shape: Sequence[int], specs: Sequence[ChunkSpec]):
+        self.shape = tuple(global_shape)
+        items = []
+        for i, spec in enumerate(specs):
+            for p in chunk_pieces(spec, self.shape):
+                lo = p.box.offsets[0] if self.shape else 0
+                items.append((lo, lo + (p.box.lengths[0] if self.shape else 1), i, p))
+        items.sort(key=lambda x: (x[0], x[2], x[3].elem_offset))
+        self._items = items
+        self._starts = [x[0] for x in items]
+        self._reach, top = [], -1  # the largest end among items[:j + 1]
+        for x in items:
+            top = max(top, x[1])
+            self._reach.append(top)
+
+    def overlapping(self, box: Box) -> list[tuple[int, Piece, Box]]:
+        """``(chunk index, piece, intersection)`` for every piece that overlaps ``box`` (a box of the
+        global tensor), ordered by chunk index, then position in the chunk."""
+        if not self.shape:
+            return [(i, p, p.box) for _, _, i, p in self._items]
+        lo, hi = box.offsets[0], box.offsets[0] + box.lengths[0]
+        j = bisect.bisect_left(self._starts, hi) - 1
+        out = []
+        while j >= 0 and self._reach[j] > lo:
+            _, _, i, p = self._items[j]
+            inter = intersect(box, p.box)
+            if inter is not None:
+                out.append((i, p, inter))
+            j -= 1
+        out.sort(key=lambda x: (x[0], x[1].elem_offset))
+        return out
 
 
 def intersect(a: Box, b: Box) -> Box | None:
