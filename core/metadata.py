@@ -191,7 +191,12 @@ class CheckpointMetadata:
             raise IntegrityError(f"{source}: not valid JSON ({e}); the file is corrupt") from e
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
-            raise FormatVersionError(f"{source}: format is {got!r}, expected {FORMAT_NAME!r}")
+            hint = ""
+            if isinstance(doc, dict) and "sharded_backend" in doc:  # megatron-core's own metadata.json
+                hint = (f"; this is a megatron-core checkpoint (sharded_backend {doc['sharded_backend']!r})"
+                        + (", its unickpt part is the 'unickpt' subdirectory" if doc["sharded_backend"] == "unickpt"
+                           else ""))
+            raise FormatVersionError(f"{source}: format is {got!r}, expected {FORMAT_NAME!r}{hint}")
         version = doc.get("format_version")
         if version != FORMAT_VERSION:
             raise FormatVersionError(

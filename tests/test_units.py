@@ -158,3 +158,13 @@ def test_checksum_block_size_bounds_blocks_per_chunk():
     mib = 1 << 20
     assert block_size(5 * mib) == mib and block_size(64 * mib) == mib
     assert block_size(64 * mib + 1) == 2 * mib and block_size(1 << 30) == 16 * mib
+
+
+def test_megatron_metadata_json_gets_a_hint():
+    from unickpt.errors import FormatVersionError
+    from unickpt.metadata import CheckpointMetadata
+
+    with pytest.raises(FormatVersionError, match=r"format is None, expected 'unickpt'; this is a megatron-core "
+                                                 r"checkpoint \(sharded_backend 'unickpt'\), its unickpt part is "
+                                                 r"the 'unickpt' subdirectory"):
+        CheckpointMetadata.from_json('{"sharded_backend": "unickpt", "sharded_backend_version": 1}')
