@@ -25,7 +25,7 @@ from .errors import IntegrityError, StateMismatchError, UnsafeObjectError
 from .reader import LoadStats, _narrowed, _target_views
 from .resharding import Box, intersect
 
-__all__ = ["DCP_METADATA", "is_dcp_checkpoint", "load_dcp_checkpoint"]
+__all__ = ["DCP_METADATA", "is_dcp_checkpoint", "load_dcp_checkpoint", "restore_empty_optim_state"]
 
 DCP_METADATA = ".metadata"
 
@@ -59,6 +59,16 @@ def _chunk_tensor(raw: bytes, dtype: torch.dtype, sizes: tuple[int, ...], where:
     return t
 
 
+def restore_empty_optim_state(value: Any) -> Any:
+    """Put back the empty ``"state"`` of an optimizer state dict (``{"state": {}, "param_groups": [...]}``
+    of ``get_optimizer_state_dict``, e.g. SGD without momentum or an optimizer before its first step)
+    that DCP's flattening dropped with every other empty dict: without it ``set_optimizer_state_dict``
+    takes the dict for a flattened one and fails (``KeyError: 'param_groups.0.<fqn>.lr'``)."""
+    if isinstance(value, dict) and isinstance(value.get("param_groups"), list) and "state" not in value:
+        return {"state": {}, **value}
+    return value
+
+
 def _rebuild(fqn: str, planner_data: dict, values: dict[str, Any]) -> tuple[bool, Any, set[str]]:
     """Rebuild the plain value ``fqn`` from DCP's flattened entries below it: (found, value, keys used)."""
     root: dict = {}
@@ -80,7 +90,7 @@ def _rebuild(fqn: str, planner_data: dict, values: dict[str, Any]) -> tuple[bool
             return [listify(x[i]) for i in range(len(x))]
         return {k: listify(v) for k, v in x.items()} if isinstance(x, dict) else x
 
-    return bool(used), listify(root), used
+    return bool(used), restore_empty_optim_state(listify(root)), used
 
 
 def load_dcp_checkpoint(comm: Any, storage: Any, path: str, state: dict, *, strict: bool, allow_pickle: bool) -> LoadStats:

@@ -240,12 +240,23 @@ def dcp_save(path: str, flavour: str, how: str) -> dict:
 
 
 def dcp_load(path: str, flavour: str, how: str, native: bool = False) -> dict:
-    """Load into a fresh model with ``how``: "reader" (dcp.load + unickpt StorageReader) or
-    "unickpt" (unickpt.load of the module / optimizer, allow_pickle for a DCP directory)."""
+    """Load into a fresh model with ``how``: "reader" (dcp.load + unickpt StorageReader),
+    "reader_bf16" (the same into a bf16 copy of the model state dict: must refuse to cast), "reader_error"
+    (the same, returning the error's last line), or
+    "unickpt" / "unickpt_nopickle" (unickpt.load of the module / optimizer, with / without allow_pickle)."""
     import torch.distributed.checkpoint as dcp
 
     model, optim = build(flavour, seed=123)
     extra = None
+    if how in ("reader_bf16", "reader_error"):
+        sd = _dcp_state(model, optim)
+        if how == "reader_bf16":
+            sd["model"] = {k: v.to(torch.bfloat16) for k, v in sd["model"].items()}
+        try:
+            dcp.load(sd, storage_reader=unickpt.fsdp.StorageReader(path))
+        except BaseException as e:  # DCP wraps every rank's exception into a CheckpointException
+            return {"error": str(e).strip().splitlines()[-1]}
+        return {"error": None}
     if how == "reader":
         sd = _dcp_state(model, optim)
         if native:  # a checkpoint of unickpt.fsdp.state(...) plus "step"
@@ -266,3 +277,51 @@ def dcp_load(path: str, flavour: str, how: str, native: bool = False) -> dict:
     else:
         raise ValueError(how)
     return {"loaded": full_state(model, optim), "extra": extra}
+
+
+def dcp_empty_optim_state(root: str) -> list[dict]:
+    """SGD without momentum keeps no state (``osd["state"] == {}``), which DCP's flattening drops:
+    save it with dcp.save (DCP's own writer and unickpt's StorageWriter), then unickpt.load both into
+    a fresh model whose optimizer has another lr."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, _ = build("fsdp2")
+    optim = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.0)
+    train(model, optim, 1, seed=1)
+    ref = full_state(model, optim)
+    msd, osd = get_state_dict(model, optim)
+    assert osd["state"] == {}
+    out = []
+    for name, writer in (("dcp", None), ("unickpt_writer", unickpt.fsdp.StorageWriter(os.path.join(root, "unickpt_writer")))):
+        path = os.path.join(root, name)
+        dcp.save({"model": msd, "optim": osd, "step": 3}, checkpoint_id=path, storage_writer=writer)
+        model2, _ = build("fsdp2", seed=123)
+        optim2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.0)
+        state = {"model": model2, "optim": optim2, "step": 0}
+        try:
+            unickpt.load(path, state, allow_pickle=name == "dcp")
+        except Exception as e:
+            out.append({"how": name, "error": f"{type(e).__name__}: {e}"})
+            continue
+        out.append({"how": name, "loaded": full_state(model2, optim2), "step": state["step"], "ref": ref})
+    return out
+
+
+def dcp_writer_rank_failure(path: str) -> dict:
+    """dcp.save through StorageWriter where only rank 1 fails while preparing its items (a value that
+    cannot be pickled): every rank must raise (none left waiting in the collective save), nothing
+    committed."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.arange(4.0) + dist.get_rank(), "fn": (lambda: 1) if dist.get_rank() == 1 else 3}
+    try:
+        dcp.save(state, storage_writer=unickpt.fsdp.StorageWriter(path))
+        error = None
+    except BaseException as e:  # DCP wraps every rank's exception into a CheckpointException
+        error = str(e).strip().splitlines()[-1]
+    return {"error": error, "committed": os.path.exists(os.path.join(path, "metadata.json"))}

@@ -147,10 +147,22 @@ def test_dcp_writer_reader_round_trip(pool, tmp_path, how):
     ref = pool(4).run(w.dcp_save, path, "fsdp2", how)[0]["saved"]
     meta = json.load(open(os.path.join(path, "metadata.json")))  # an ordinary unickpt checkpoint
     assert meta["framework"] == "torch.distributed.checkpoint"
-    assert any(k.startswith("__dcp_bytes__.") for k in meta["tensors"])  # the non-tensor items
+    # the non-tensor items are plain JSON values, grouped as unickpt.save groups them (no pickle)
+    assert not any(k.startswith("__dcp_bytes__.") for k in meta["tensors"])
+    assert meta["state_tree"]["extra"] == {"epoch": 3, "note": "dcp"}
+    assert [g["lr"] for g in meta["state_tree"]["optim.param_groups"]] == [1e-2]
     res = pool(2).run(w.dcp_load, path, "fsdp2", "reader")[0]
     assert_same(ref, res["loaded"], f"dcp {how} on 4 -> dcp.load via StorageReader on 2")
     assert res["extra"] == {"epoch": 3, "note": "dcp"}
+    # unickpt.load (no pickle) of the module and optimizer themselves, into FSDP1 flat state on 2
+    res = pool(2).run(w.dcp_load, path, "fsdp1_orig", "unickpt_nopickle")[0]
+    assert "error" not in res, res.get("error")
+    assert_same(ref, res["loaded"], f"dcp {how} on 4 -> unickpt.load FSDP1 on 2")
+    assert res["extra"] == {"epoch": 3, "note": "dcp"}
+    if how == "writer":  # a load never casts: fp32 stored, bf16 target
+        errors = {r["error"] for r in pool(2).run(w.dcp_load, path, "fsdp2", "reader_bf16")}
+        assert errors == {f"TypeError: 'model.emb.weight': the checkpoint {path!r} stores torch.float32, the state to "
+                          "load into has torch.bfloat16; unickpt never casts on load (convert after loading)"}, errors
 
 
 def test_dcp_reader_reads_a_unickpt_checkpoint(pool, saved):
@@ -171,10 +183,34 @@ def test_unickpt_load_of_a_dcp_directory(pool, tmp_path):
     assert all(r["error"].startswith(f"UnsafeObjectError: {path!r} is a torch.distributed.checkpoint directory: its "
                                      ".metadata and its non-tensor entries are pickles") and "allow_pickle=True" in r["error"]
                for r in refused), refused
+    # StorageReader on it: a clear error (DCP reports a failed read_metadata inside its own AssertionError)
+    want = (f"{path!r} was written by DCP's own FileSystemWriter (.metadata, no metadata.json); unickpt.fsdp.StorageReader "
+            "reads unickpt checkpoints: load it with dcp.load's default reader, or with unickpt.load(path, state, "
+            "allow_pickle=True)")
+    errors = [r["error"] for r in pool(3).run(w.dcp_load, path, "fsdp2", "reader_error")]
+    assert all(e.startswith("AssertionError: metadata is None; global metadata read failed: " + want) for e in errors), errors
     res = pool(3).run(w.dcp_load, path, "fsdp1_orig", "unickpt")[0]
     assert "error" not in res, res.get("error")
     assert_same(ref, res["loaded"], "DCP FileSystemWriter on 4 -> unickpt.load FSDP1 on 3")
     assert res["extra"] == {"epoch": 3, "note": "dcp"}
+
+
+def test_dcp_writer_one_rank_fails(pool, tmp_path):
+    path = str(tmp_path / "failed")
+    res = pool(2).run(w.dcp_writer_rank_failure, path)
+    for r in res:
+        assert not r["committed"]
+        assert r["error"].startswith(f"ValueError: StorageWriter: nothing saved to {path!r}; rank 1 failed: "
+                                     "AttributeError: Can't pickle local object 'dcp_writer_rank_failure.<locals>.<lambda>'"), r
+
+
+def test_unickpt_load_of_dcp_save_with_empty_optimizer_state(pool, tmp_path):
+    """An optimizer without state (SGD, no momentum): DCP drops the empty "state" dict; unickpt.load
+    of the DCP directory and of a StorageWriter checkpoint must still load the param groups."""
+    for r in pool(2).run(w.dcp_empty_optim_state, str(tmp_path))[0]:
+        assert "error" not in r, r
+        assert r["step"] == 3 and r["loaded"]["param_groups"][0]["lr"] == 0.5
+        assert_same(r["ref"], r["loaded"], f"SGD without state via {r['how']}")
 
 
 @pytest.mark.parametrize("flavour", ["hsdp1", "hsdp2", "fsdp2_tp"])
@@ -192,3 +228,19 @@ def test_hsdp_and_2d_mesh(pool, tmp_path, flavour):
     assert_same(ref["after_step"], res["after_step"], f"{flavour}: one step after loading")
     for r in pool(2).run(w.load_run, path, ["fsdp1", "fsdp2"])[0]:
         assert_same(ref["saved"], r["loaded"], f"{flavour} on 4 -> {r['flavour']} on 2")
+
+
+def test_writer_stage_while_a_save_is_in_flight(tmp_path):
+    """Two dcp.async_save calls through one StorageWriter: the second stage() happens before the first
+    save has written (DCP runs saves one after another in its thread). The first staged copy must keep
+    the values it had (StateDictStager reuses its cached host buffers, which would overwrite it)."""
+    import unickpt.fsdp
+
+    writer = unickpt.fsdp.StorageWriter(str(tmp_path / "never_written"))
+    t = torch.arange(6, dtype=torch.float32)
+    first = writer.stage({"x": t, "n": 3})
+    t.add_(100)  # training goes on
+    second = writer.stage({"x": t, "n": 3})
+    assert torch.equal(first["x"], torch.arange(6, dtype=torch.float32)) and first["n"] == 3
+    assert torch.equal(second["x"], torch.arange(6, dtype=torch.float32) + 100)
+    writer.close()

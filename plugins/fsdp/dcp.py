@@ -10,8 +10,9 @@ deduplication of replicated tensors, resharding) and only passes a writer or rea
 :class:`StorageWriter` turns each rank's DCP write items into unickpt box shards (DCP has already
 given each replicated chunk to one rank) and saves them with one collective ``unickpt`` save: the
 staging pool, checksums, the writer threads and the all-or-nothing commit of ``metadata.json``.
-Non-tensor items (DCP ``BYTE_IO``, ``torch.save`` bytes) are stored as ``uint8`` tensors under
-``__dcp_bytes__.<fqn>``. The result is an ordinary unickpt checkpoint (``unickpt.load``,
+Non-tensor items (DCP ``BYTE_IO``, ``torch.save`` bytes) become plain JSON values grouped as
+``unickpt.save`` groups them (``optim.param_groups``, ``step``); one JSON cannot express is kept as a
+``uint8`` tensor under ``__dcp_bytes__.<fqn>``. The result is an ordinary unickpt checkpoint (``unickpt.load``,
 ``unickpt inspect`` and ``verify`` work on it) with no pickle in its metadata.
 
 :class:`StorageReader` serves DCP's read items from any unickpt checkpoint (also one written by
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 import uuid
 from typing import Any
 
@@ -38,6 +40,7 @@ from torch.futures import Future
 
 from unickpt import Shard
 from unickpt.codec import str_to_dtype
+from unickpt.dcp_compat import is_dcp_checkpoint, restore_empty_optim_state
 from unickpt.engine import get_engine
 from unickpt.metadata import CheckpointMetadata, read_metadata
 from unickpt.resharding import chunk_pieces
@@ -75,6 +78,39 @@ def _jsonable_mapping(planner_data: Any) -> Any:
     return out
 
 
+def _plain_value(raw: bytes) -> tuple[bool, Any]:
+    """``(True, value)`` when DCP's ``torch.save`` bytes of a non-tensor item hold a value unickpt stores
+    as JSON (numbers, strings, None, lists, tuples, dicts of those: restricted unpickling with
+    ``weights_only=True``, so nothing runs); ``(False, None)`` otherwise (kept as bytes)."""
+    from unickpt import codec
+
+    try:
+        value = torch.load(io.BytesIO(raw), weights_only=True)
+        codec.encode(value, allow_pickle=False)
+    except Exception:  # UnsafeObjectError (not JSON-expressible), UnpicklingError (not weights_only-loadable), ...
+        return False, None
+    if isinstance(value, torch.Tensor) or _holds_tensor(value):
+        return False, None
+    return True, value
+
+
+def _holds_tensor(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return True
+    if isinstance(x, dict):
+        return any(_holds_tensor(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_holds_tensor(v) for v in x)
+    return False
+
+
+def _listify(x: Any) -> Any:
+    """Nested dicts with keys 0..n-1 as lists (DCP's ``set_element`` rebuilds int path keys as lists)."""
+    if isinstance(x, dict) and x and all(isinstance(k, int) for k in x) and sorted(x) == list(range(len(x))):
+        return [_listify(x[i]) for i in range(len(x))]
+    return {k: _listify(v) for k, v in x.items()} if isinstance(x, dict) else x
+
+
 class StorageWriter(_DCPWriter, AsyncStager):
     """A DCP ``StorageWriter`` (and ``AsyncStager``) that saves through unickpt.
 
@@ -97,6 +133,8 @@ class StorageWriter(_DCPWriter, AsyncStager):
         self.storage_options = storage_options
         self._planner_data: Any = None
         self._stager: Any = None
+        self._in_flight = 0  # staged copies not yet written (dcp.async_save calls that have not finished)
+        self._lock = threading.Lock()
         self.save_id = ""
         self.stats: Any = None  # the last save's unickpt SaveStats
 
@@ -120,35 +158,106 @@ class StorageWriter(_DCPWriter, AsyncStager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         """Save this rank's items with one collective unickpt save; return their ``WriteResult`` s."""
+        try:
+            return self._write_data(plan, planner)
+        finally:
+            with self._lock:  # the staged copy this save read from may be reused by the next stage()
+                self._in_flight = max(0, self._in_flight - 1)
+
+    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         if self.path is None:
             raise ValueError("StorageWriter: no checkpoint path (pass it to StorageWriter(path) or as checkpoint_id)")
         state: dict[str, Any] = {}
         results = []
-        for item in plan.items:
-            fqn = item.index.fqn
-            if item.type == WriteItemType.BYTE_IO:
-                data = planner.resolve_data(item)
-                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                key = BYTES_PREFIX + fqn
-                leaf = Shard(torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8),
-                             (len(raw),), offsets=(0,))
-                nbytes = len(raw)
-            else:
-                td = item.tensor_data
-                tensor = planner.resolve_data(item).detach()
-                key = fqn
-                leaf = Shard(tensor.reshape(tuple(td.chunk.sizes)), tuple(td.size), offsets=tuple(td.chunk.offsets))
-                nbytes = tensor.numel() * tensor.element_size()
-            if key in state:
-                raise ValueError(f"StorageWriter: {fqn!r} has several chunks on one rank (a ShardedTensor with several "
-                                 "local shards), which unickpt does not store")
-            state[key] = leaf
-            results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
+        plain: dict[str, Any] = {}  # DCP fqn -> non-tensor value that unickpt stores as a plain (JSON) value
+        local_error = None  # raised on every rank after the exchange below, never before a collective
+        try:
+            for item in plan.items:
+                fqn = item.index.fqn
+                if item.type == WriteItemType.BYTE_IO:
+                    data = planner.resolve_data(item)
+                    raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                    found, value = _plain_value(raw)
+                    if found:
+                        plain[fqn] = value
+                        results.append(WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=None))
+                        continue
+                    key = BYTES_PREFIX + fqn
+                    leaf = Shard(torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8),
+                                 (len(raw),), offsets=(0,))
+                    nbytes = len(raw)
+                else:
+                    td = item.tensor_data
+                    tensor = planner.resolve_data(item).detach()
+                    key = fqn
+                    leaf = Shard(tensor.reshape(tuple(td.chunk.sizes)), tuple(td.size), offsets=tuple(td.chunk.offsets))
+                    nbytes = tensor.numel() * tensor.element_size()
+                if key in state:
+                    raise ValueError(f"StorageWriter: {fqn!r} has several chunks on one rank (a ShardedTensor with several "
+                                     "local shards), which unickpt does not store")
+                state[key] = leaf
+                results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
+        except Exception as e:
+            local_error = f"{type(e).__name__}: {e}"
+        state.update(self._plain_roots(plain, state, local_error))  # never a tensor's fqn (checked there)
         extra = {"dcp": {"planner_data": _jsonable_mapping(self._planner_data), "save_id": self.save_id}}
         handle = get_engine(self.group).save(self.path, state, storage_options=self.storage_options,
                                              framework=FRAMEWORK, extra=extra)
         self.stats = handle.stats
         return _done(results)
+
+    def _plain_roots(self, plain: dict[str, Any], state: dict[str, Any], local_error: str | None = None) -> dict[str, Any]:
+        """Every rank's plain values (DCP gave each one to a single rank), regrouped the way
+        ``unickpt.save`` stores the same state: each value under the outermost key of its path that
+        holds no tensor (``optim.param_groups`` as one list, ``step``), so that ``unickpt.load`` of
+        ``{"model": model, "optim": optim, "step": 0}`` reads a checkpoint written by ``dcp.save``.
+        One ``all_gather_object`` over the writer's group; every rank returns the same values (the
+        engine stores rank 0's). A rank's ``local_error`` is raised on every rank (ValueError naming
+        the rank), so no rank is left waiting in the save."""
+        import torch.distributed as dist
+
+        mapping = self._planner_data if isinstance(self._planner_data, dict) else {}
+
+        def path(fqn: str) -> tuple:
+            p = mapping.get(fqn)
+            return tuple(p) if isinstance(p, (tuple, list)) and p else (fqn,)
+
+        blocked = {path(f) for f in mapping if f not in plain}  # tensors and pickled bytes, this rank
+        blocked |= {path(k[len(BYTES_PREFIX):]) if k.startswith(BYTES_PREFIX) else path(k) for k in state}
+        mine = ({f: (path(f), v) for f, v in plain.items()}, blocked, local_error)
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            every: list = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(every, mine, group=self.group)
+        else:
+            every = [mine]
+        failed = [(rank, err) for rank, (_, _, err) in enumerate(every) if err]
+        if failed:
+            raise ValueError(f"StorageWriter: nothing saved to {self.path!r}; rank {failed[0][0]} failed: {failed[0][1]}")
+        values: dict[str, tuple[tuple, Any]] = {}
+        blocked = set()
+        for vals, blk, _ in every:
+            for f, pv in vals.items():
+                values.setdefault(f, pv)
+            blocked |= blk
+        blocked -= {p for p, _ in values.values()}
+        prefixes = {p[:i] for p in blocked for i in range(1, len(p) + 1)}
+        roots: dict[str, Any] = {}
+        for f in sorted(values, key=lambda k: values[k][0].__repr__()):
+            p, v = values[f]
+            n = next((i for i in range(1, len(p) + 1) if p[:i] not in prefixes), len(p))
+            root = ".".join(map(str, p[:n]))
+            rel = p[n:]
+            if not rel:
+                roots[root] = v
+                continue
+            node = roots.setdefault(root, {})
+            for k in rel[:-1]:
+                node = node.setdefault(k, {})
+            node[rel[-1]] = v
+        taken = sorted(set(roots) & {".".join(map(str, p)) for p in blocked})  # the same on every rank
+        if taken:
+            raise ValueError(f"StorageWriter: the non-tensor value {taken[0]!r} has the fqn of a tensor; rename one")
+        return {k: restore_empty_optim_state(_listify(v)) for k, v in roots.items()}
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Nothing left: every rank's bytes were committed by the unickpt save in :meth:`write_data`."""
@@ -165,14 +274,26 @@ class StorageWriter(_DCPWriter, AsyncStager):
 
     def stage(self, state_dict: dict) -> dict:
         """A copy of ``state_dict`` no later change to the training state can reach (tensors copied
-        into host buffers that are reused by the next save of the same layout)."""
+        into host buffers that are reused by the next save of the same layout once this save has
+        written them; while an earlier ``async_save`` through this writer is still writing, the copy
+        goes into fresh buffers instead, so the earlier checkpoint keeps the values it staged)."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         get_engine(self.group)  # on the caller's thread, collectively
+        cuda = torch.cuda.is_available()
+        options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                 use_non_blocking_copy=cuda)
+        with self._lock:
+            busy = self._in_flight > 0
+            self._in_flight += 1
+        if busy:  # the cached buffers are being written by the earlier save: copy into new ones
+            once = DefaultStager(options)
+            try:
+                return once.stage(state_dict)
+            finally:
+                once.close()
         if self._stager is None:
-            cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+            self._stager = DefaultStager(options)
         return self._stager.stage(state_dict)
 
     def synchronize_staging(self) -> None:
@@ -219,7 +340,12 @@ class StorageReader(_DCPReader):
         if self.meta is None:
             if self.path is None:
                 raise ValueError("StorageReader: no checkpoint path (pass it to StorageReader(path) or as checkpoint_id)")
-            self.meta = read_metadata(Storage(self.path, self.storage_options), self.path)
+            storage = Storage(self.path, self.storage_options)
+            if is_dcp_checkpoint(storage, self.path):
+                raise ValueError(f"{self.path!r} was written by DCP's own FileSystemWriter (.metadata, no metadata.json); "
+                                 "unickpt.fsdp.StorageReader reads unickpt checkpoints: load it with dcp.load's default "
+                                 "reader, or with unickpt.load(path, state, allow_pickle=True)")
+            self.meta = read_metadata(storage, self.path)
         return self.meta
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -311,6 +437,14 @@ class StorageReader(_DCPReader):
                 raise KeyError(f"{fqn!r}: not in the checkpoint {self.path!r}")
         get_engine(self.group).load(self.path, state, strict=False, storage_options=self.storage_options,
                                     verify=self.verify)
+        # DCP's own readers copy_ into the target, casting silently; unickpt never casts (every rank has
+        # joined the collective load above, so raising here cannot leave a rank waiting)
+        for item in sorted((i for i in plan.items if i.type != LoadItemType.BYTE_IO), key=lambda i: i.storage_index.fqn):
+            fqn = item.storage_index.fqn
+            stored, target = str_to_dtype(meta.tensors[meta.aliases.get(fqn, fqn)].dtype), planner.resolve_tensor(item)
+            if target.dtype != stored:
+                raise TypeError(f"{fqn!r}: the checkpoint {self.path!r} stores {stored}, the state to load into "
+                                f"has {target.dtype}; unickpt never casts on load (convert after loading)")
         for item in plan.items:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
