@@ -4,7 +4,7 @@ byte ranges, and copying them into the caller's tensors in place (no dtype conve
 Per stored chunk, a rank needs only the byte runs holding elements that overlap its target shard
 (adjacent runs merged). With ``verify=True`` (the default) every byte used is checked: runs are
 widened to whole checksum blocks (a chunk of at most 1 MiB is one block, so it is read whole; larger
-chunks have blocks of at least 1 MiB, at most 64 per chunk) and each block read is compared with its stored checksum. ``verify=False``
+chunks have blocks of at least 1 MiB, at most 32 per chunk) and each block read is compared with its stored checksum. ``verify=False``
 reads exactly the bytes needed and checks nothing. Who reads which range is decided job-wide by
 :mod:`unickpt.read_plan`.
 """

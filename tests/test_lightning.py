@@ -6,6 +6,7 @@ launcher re-executes the script per device)."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,6 +19,8 @@ import torch
 import torch.utils._pytree as pytree
 
 pytest.importorskip("lightning")
+
+from lightning.pytorch import LightningModule  # noqa: E402
 
 import unickpt  # noqa: E402
 from unickpt.lightning import UnickptCheckpointIO  # noqa: E402
@@ -117,16 +120,100 @@ def test_pickle_follows_lightning_trust_model(tmp_path):
             "pair": Pair(torch.ones(1), 2)}  # a named tuple holding a tensor: kept, through pickle
     io = UnickptCheckpointIO(async_save=False)
     io.save_checkpoint(ckpt, tmp_path / "a.ckpt")
-    with pytest.raises(unickpt.UnsafeObjectError, match=r"'lightning'.*class tests?\.?.*Opaque|'lightning'.*Opaque"):
+    cls = f"{Opaque.__module__}.Opaque"
+    with pytest.raises(unickpt.UnsafeObjectError) as err:
         io.load_checkpoint(tmp_path / "a.ckpt")  # weights_only=None: torch.load's default (True) semantics
+    assert str(err.value) == (  # one line naming the nested key, the class and the Lightning way to allow it
+        f"{str(tmp_path / 'a.ckpt')!r}: checkpoint key 'hyper_parameters.obj' holds an object of class {cls} (and 1 "
+        "more such value(s)), which only unpickling restores (it can execute code); if you trust this checkpoint "
+        "pass weights_only=False (trainer.fit/validate/test(ckpt_path=..., weights_only=False), "
+        "load_from_checkpoint(..., weights_only=False)) or use UnickptCheckpointIO(allow_pickle=True)")
     with pytest.raises(unickpt.UnsafeObjectError, match="Opaque"):
         io.load_checkpoint(tmp_path / "a.ckpt", weights_only=True)
     assert_same(ckpt, io.load_checkpoint(tmp_path / "a.ckpt", weights_only=False))
     assert_same(ckpt, UnickptCheckpointIO(allow_pickle=True).load_checkpoint(tmp_path / "a.ckpt"))
     strict = UnickptCheckpointIO(async_save=False, allow_pickle=False)
-    with pytest.raises(unickpt.UnsafeObjectError, match="Opaque"):
+    with pytest.raises(unickpt.UnsafeObjectError, match=f"checkpoint key 'hyper_parameters.obj' holds an object of "
+                       f"class {cls} \\(and 1 more such value\\(s\\)\\), which only pickle can store"):
         strict.save_checkpoint(ckpt, tmp_path / "b.ckpt")
     assert not (tmp_path / "b.ckpt").exists()
+
+
+@dataclasses.dataclass
+class Cfg:
+    width: int
+
+
+class TiedNet(LightningModule):
+    """Tied weights, a buffer and non-JSON hyper-parameters (for load_from_checkpoint)."""
+
+    def __init__(self, lr, ns, cfg, where):
+        super().__init__()
+        self.save_hyperparameters()
+        self.enc = torch.nn.Linear(3, 3)
+        self.dec = torch.nn.Linear(3, 3)
+        self.dec.weight = self.enc.weight
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+
+def test_damaged_pointer_is_one_clear_error_on_every_reader(tmp_path):
+    """A pointer edited by hand or truncated: ValueError naming the field, expected and actual value,
+    from the CheckpointIO and from load_from_checkpoint (never a KeyError, nor torch's unpickling error)."""
+    import lightning
+
+    io = UnickptCheckpointIO(async_save=False)
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(2)}, tmp_path / "last.ckpt")
+    good = json.loads((tmp_path / "last.ckpt").read_text())
+    cases = [("checkpoint", None, "the relative path of a checkpoint version ('<name>.unickpt/step_<v>')", "missing"),
+             ("route", "fsdp", "'io' or 'sharded'", "'fsdp'"),
+             ("global_step", "7", "an integer or null", "'7'")]
+    for field, value, expected, actual in cases:
+        doc = {k: v for k, v in good.items() if not (k == field and value is None)}
+        if value is not None:
+            doc[field] = value
+        bad = tmp_path / f"bad-{field}.ckpt"
+        bad.write_text(json.dumps(doc))
+        message = (f"{str(bad)!r}: damaged unickpt-lightning pointer: field {field!r} must be {expected}, "
+                   f"got {actual}")
+        with pytest.raises(ValueError) as err:
+            io.load_checkpoint(bad)
+        assert str(err.value) == message
+        with pytest.raises(ValueError) as err:
+            lightning.pytorch.LightningModule.load_from_checkpoint(bad)
+        assert str(err.value) == message
+    (tmp_path / "last.ckpt").unlink()  # deleted by hand: the error says its data is still there
+    with pytest.raises(FileNotFoundError) as err:
+        io.load_checkpoint(tmp_path / "last.ckpt")
+    assert str(err.value) == (f"no checkpoint at {str(tmp_path / 'last.ckpt')!r} (its data directory "
+                              f"{str(tmp_path / 'last.ckpt.unickpt')!r} exists: the pointer file was deleted or "
+                              "never written, e.g. a crash before the first commit)")
+
+
+def test_load_from_checkpoint_reads_a_pointer(tmp_path):
+    """``LightningModule.load_from_checkpoint`` (pl_load, i.e. torch.load) is routed to unickpt for a
+    pointer: hyper-parameters (a Namespace, a dataclass, a Path), tied weights, buffers; the trust
+    model and map_location (Lightning always passes a callable) as torch.load's."""
+    import argparse
+
+    hp = {"lr": 0.5, "ns": argparse.Namespace(a=1), "cfg": Cfg(3), "where": Path("/data/x")}
+    torch.manual_seed(0)
+    model = TiedNet(**hp)
+    model.count += 3
+    ckpt = {"epoch": 0, "global_step": 4, "pytorch-lightning_version": "2.6.6", "state_dict": model.state_dict(),
+            "hparams_name": "kwargs", "hyper_parameters": dict(model.hparams)}
+    io = UnickptCheckpointIO(async_save=False)
+    io.save_checkpoint(ckpt, tmp_path / "m.ckpt")
+    with pytest.raises(unickpt.UnsafeObjectError, match="checkpoint key 'hyper_parameters.ns' holds an object of class "
+                       "argparse.Namespace \\(and 2 more such value\\(s\\)\\).*pass weights_only=False"):
+        TiedNet.load_from_checkpoint(tmp_path / "m.ckpt")
+    back = TiedNet.load_from_checkpoint(tmp_path / "m.ckpt", weights_only=False)
+    assert dict(back.hparams) == hp
+    assert back.dec.weight is back.enc.weight  # tying is the module's, the values are the checkpoint's
+    assert_same(dict(back.state_dict()), dict(model.state_dict()))
+    seen = []
+    back = TiedNet.load_from_checkpoint(str(tmp_path / "m.ckpt"), weights_only=False,
+                                        map_location=lambda storage, loc: seen.append(loc) or storage)
+    assert seen and set(seen) == {"cpu"} and int(back.count) == 3
 
 
 def test_plugin_pickles_its_configuration_only():
@@ -153,9 +240,15 @@ def test_overwrite_keeps_one_committed_version_and_remove(tmp_path):
     assert sorted(os.listdir(tmp_path)) == []
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         io.load_checkpoint(path)
-    torch.save({"w": torch.ones(1)}, tmp_path / "plain.ckpt")
-    with pytest.raises(ValueError, match="not a unickpt-lightning checkpoint pointer"):
-        io.load_checkpoint(tmp_path / "plain.ckpt")
+    # a torch.save checkpoint (a run resumed after turning unickpt on) is read as TorchCheckpointIO does
+    torch.save({"w": torch.ones(1), "hp": Opaque(1)}, tmp_path / "plain.ckpt")
+    assert_same(io.load_checkpoint(tmp_path / "plain.ckpt", weights_only=False), {"w": torch.ones(1), "hp": Opaque(1)})
+    with pytest.raises(Exception, match="Weights only load failed"):
+        io.load_checkpoint(tmp_path / "plain.ckpt")  # and with torch.load's trust model
+    (tmp_path / "dir.ckpt").mkdir()
+    with pytest.raises(ValueError, match="is a directory, not a unickpt-lightning checkpoint pointer"):
+        io.load_checkpoint(tmp_path / "dir.ckpt")
+    (tmp_path / "dir.ckpt").rmdir()
     io.remove_checkpoint(tmp_path / "plain.ckpt")  # a path it did not write: removed like TorchCheckpointIO does
     assert not (tmp_path / "plain.ckpt").exists()
 
@@ -195,6 +288,16 @@ def test_save_last_links_instead_of_writing_tensors_twice(tmp_path):
     io.save_checkpoint(newer, tmp_path / "last-v2.ckpt")
     io.wait()
     assert json.loads((tmp_path / "last-v2.ckpt").read_text())["tensors_from"] is None
+    # an inference-mode tensor (made in trainer.validate/test) has no version counter: saved, never linked
+    with torch.inference_mode():
+        made_in_eval = torch.full((3,), 2.0)
+    with_eval = {**newer, "state_dict": {"w": w, "eval": made_in_eval}}
+    io.save_checkpoint(with_eval, tmp_path / "other.ckpt")
+    io.save_checkpoint(with_eval, tmp_path / "last-v3.ckpt")
+    io.wait()
+    assert json.loads((tmp_path / "last-v3.ckpt").read_text())["tensors_from"] is None
+    expected = {**newer, "state_dict": {"w": w, "eval": torch.full((3,), 2.0)}}
+    assert_same(io.load_checkpoint(tmp_path / "last-v3.ckpt"), expected)
 
 
 def test_async_save_returns_before_the_write_and_snapshots(tmp_path, monkeypatch):

@@ -156,8 +156,8 @@ def test_checksum_block_size_bounds_blocks_per_chunk():
     from unickpt.metadata import block_size
 
     mib = 1 << 20
-    assert block_size(5 * mib) == mib and block_size(64 * mib) == mib
-    assert block_size(64 * mib + 1) == 2 * mib and block_size(1 << 30) == 16 * mib
+    assert block_size(5 * mib) == mib and block_size(32 * mib) == mib
+    assert block_size(32 * mib + 1) == 2 * mib and block_size(1 << 30) == 32 * mib
 
 
 def test_megatron_metadata_json_gets_a_hint():

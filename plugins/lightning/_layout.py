@@ -27,7 +27,8 @@ import re
 from dataclasses import dataclass
 from unickpt.storage import Storage
 
-__all__ = ["Pointer", "data_root", "version_dir", "relative", "resolve", "read_pointer", "write_pointer", "is_pointer",
+__all__ = ["Pointer", "pointer_from_doc", "data_root", "version_dir", "relative", "resolve", "read_pointer",
+           "write_pointer", "is_pointer", "claims_format",
            "versions", "siblings_linking_to", "POINTER_FORMAT"]
 
 POINTER_FORMAT = "unickpt-lightning"
@@ -111,8 +112,34 @@ def read_pointer(storage: Storage, path: str) -> Pointer:
     if doc.get("format_version") != POINTER_VERSION:
         raise ValueError(f"{path!r}: pointer format_version {doc.get('format_version')!r}, this release reads "
                          f"{POINTER_VERSION}")
-    return Pointer(checkpoint=doc["checkpoint"], route=doc.get("route", "io"), global_step=doc.get("global_step"),
-                   tensors_from=doc.get("tensors_from"))
+    return pointer_from_doc(path, doc)
+
+
+def pointer_from_doc(path: str, doc: dict) -> Pointer:
+    """Check the fields of a parsed pointer ``doc`` of ``path`` and return its :class:`Pointer`.
+
+    Raises:
+        ValueError: a field is missing or has the wrong type / value, naming the field, the expected
+            and the actual value (a pointer edited by hand or truncated).
+    """
+    def bad(field: str, expected: str) -> ValueError:
+        actual = repr(doc[field]) if field in doc else "missing"
+        return ValueError(f"{path!r}: damaged unickpt-lightning pointer: field {field!r} must be {expected}, "
+                          f"got {actual}")
+
+    checkpoint = doc.get("checkpoint")
+    if not isinstance(checkpoint, str) or not checkpoint:
+        raise bad("checkpoint", "the relative path of a checkpoint version ('<name>.unickpt/step_<v>')")
+    route = doc.get("route", "io")
+    if route not in ("io", "sharded"):
+        raise bad("route", "'io' or 'sharded'")
+    step = doc.get("global_step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        raise bad("global_step", "an integer or null")
+    tensors_from = doc.get("tensors_from")
+    if tensors_from is not None and (not isinstance(tensors_from, str) or not tensors_from):
+        raise bad("tensors_from", "null or the relative path of a checkpoint version")
+    return Pointer(checkpoint=checkpoint, route=route, global_step=step, tensors_from=tensors_from)
 
 
 def is_pointer(storage: Storage, path: str) -> bool:
@@ -122,6 +149,18 @@ def is_pointer(storage: Storage, path: str) -> bool:
         return True
     except (OSError, ValueError):
         return False
+
+
+def claims_format(storage: Storage, path: str) -> bool:
+    """Whether ``path`` is a small file that says it is a unickpt-lightning pointer (readable or
+    damaged: a reader then raises :func:`read_pointer`'s clear error instead of another format's)."""
+    try:
+        if storage.isdir(path) or storage.size(path) > _MAX_POINTER_BYTES:
+            return False
+        doc = json.loads(storage.read_bytes(path))
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == POINTER_FORMAT
 
 
 def write_pointer(storage: Storage, path: str, pointer: Pointer) -> None:

@@ -14,7 +14,9 @@ unickpt expands the model and optimizers with ``torch.distributed.checkpoint.sta
 DTensors, FSDP1 sharded state), writes each shard once, and on load reshards them to the current
 mesh and world size. The rest of the checkpoint (epoch, loops, callbacks, schedulers,
 hyper-parameters: what Lightning itself writes to ``meta.pt``) is global rank 0's, stored as tagged
-JSON. DeepSpeedStrategy gets the ``"unickpt"`` block of :mod:`unickpt.deepspeed` added to its
+JSON. ``LightningModule.load_from_checkpoint`` reads with ``pl_load`` (``torch.load``); pointer
+files are routed to unickpt there too. DeepSpeedStrategy gets the ``"unickpt"`` block of
+:mod:`unickpt.deepspeed` added to its
 DeepSpeed config before the engine is created.
 """
 from __future__ import annotations
@@ -76,6 +78,34 @@ def install() -> None:
             cls.load_checkpoint = _wrap_load(cls.load_checkpoint)
     if not getattr(DeepSpeedStrategy.setup, _MARK, False):
         DeepSpeedStrategy.setup = _wrap_deepspeed_setup(DeepSpeedStrategy.setup)
+    import lightning.pytorch.core.saving as saving
+
+    if not getattr(saving.pl_load, _MARK, False):
+        saving.pl_load = _wrap_pl_load(saving.pl_load)
+
+
+def _wrap_pl_load(original: Any) -> Any:
+    """``LightningModule.load_from_checkpoint`` / ``LightningDataModule.load_from_checkpoint`` read with
+    ``pl_load`` (``torch.load``; lightning 2.6 ``pytorch/core/saving.py:72``): a path holding a
+    unickpt pointer is read by a :class:`~unickpt.lightning.UnickptCheckpointIO` in this process
+    alone (no collective: it may be called on one rank), with the caller's ``map_location`` and
+    ``weights_only``; anything else goes to the original reader."""
+    from unickpt.storage import Storage
+
+    @functools.wraps(original)
+    def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+        if isinstance(path_or_url, (str, os.PathLike)):
+            p = os.fspath(path_or_url)
+            if not p.startswith("http") and _layout.claims_format(Storage(p), p):
+                from unickpt.collectives import THIS_PROCESS
+
+                from .io import UnickptCheckpointIO
+
+                return UnickptCheckpointIO()._load(p, map_location, weights_only, get_engine(THIS_PROCESS))
+        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    setattr(pl_load, _MARK, True)
+    return pl_load
 
 
 def _wrap_save(original: Any) -> Any:
@@ -99,7 +129,7 @@ def _wrap_load(original: Any) -> Any:
         if not _is_sharded(self):  # full dicts: saved through the CheckpointIO, read by Lightning's own code
             with _full_dict_reads(io, weights_only):
                 return original(self, checkpoint_path, weights_only=weights_only)
-        return load_sharded(io, self, checkpoint_path, weights_only)
+        return load_sharded(io, self, checkpoint_path, weights_only, original=original)
 
     setattr(load_checkpoint, _MARK, True)
     return load_checkpoint
@@ -131,7 +161,7 @@ def _full_dict_reads(io: Any, weights_only: bool | None) -> Any:
             p = os.fspath(path)
         except TypeError:
             return False
-        return _layout.is_pointer(Storage(p), p)
+        return _layout.claims_format(Storage(p), p)
 
     original_lazy, original_torch = pl_fsdp._lazy_load, fabric_mp.torch
 
@@ -192,7 +222,7 @@ def save_sharded(io: Any, strategy: Any, checkpoint: dict, filepath: Any, storag
     a ``ShardedTensor`` dict that unickpt does not store); optimizers are saved only when
     ``checkpoint`` has ``optimizer_states``.
     """
-    from .io import FRAMEWORK, TREE_KEY, _fingerprint, _fspath, _global_step
+    from .io import FRAMEWORK, TREE_KEY, _fingerprint, _fspath, _global_step, _refuse_pickles
 
     io._raise_errors()
     path = _fspath(strategy.broadcast(os.fspath(filepath)))
@@ -201,6 +231,8 @@ def save_sharded(io: Any, strategy: Any, checkpoint: dict, filepath: Any, storag
 
     storage = Storage(path, options)
     meta = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, "optimizer_states")}
+    if not io._save_pickle():
+        _refuse_pickles(path, split(meta, take_tensors=False)[0])
     # encoded here, tensors inline: global rank 0's values, as in Lightning's meta.pt (handed to the
     # engine as one plain value; its own traversal would treat the tensors as replicated leaves)
     tree = codec.encode(split(meta, take_tensors=False)[0], allow_pickle=io._save_pickle(), key=TREE_KEY)
@@ -231,24 +263,29 @@ def save_sharded(io: Any, strategy: Any, checkpoint: dict, filepath: Any, storag
         io._wait(path)
 
 
-def load_sharded(io: Any, strategy: Any, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
+def load_sharded(io: Any, strategy: Any, checkpoint_path: Any, weights_only: bool | None = None,
+                 original: Any = None) -> dict:
     """Load a sharded-route checkpoint into ``strategy.model`` (and its optimizers while fitting),
     resharded to the current world size and mesh; return the rest of the checkpoint dict (what
     Lightning's own sharded load returns from ``meta.pt``). Collective over the default group.
 
-    Raises ValueError if the checkpoint was saved through the plain ``CheckpointIO`` route (a full
-    dict), StateMismatchError (from unickpt) if keys, shapes or dtypes do not match; missing or
+    A path that is not a unickpt pointer (Lightning's own sharded directory or full ``.ckpt``) is
+    read by ``original`` (Lightning's method) when given. Raises ValueError if the checkpoint was
+    saved through the plain ``CheckpointIO`` route (a full dict),
+    StateMismatchError (from unickpt) if keys, shapes or dtypes do not match; missing or
     unexpected model keys are allowed when ``LightningModule.strict_loading`` is False.
     """
     from lightning.pytorch.trainer.states import TrainerFn
 
-    from .io import TREE_KEY, _agree_pointer, _fspath
+    from .io import TREE_KEY, _agree_pointer, _fspath, _pickled, _unsafe
 
     io._wait()
     path = _fspath(strategy.broadcast(os.fspath(checkpoint_path)))
     options = io._options(None)
     engine = get_engine(None)
-    pointer = _agree_pointer(engine, path, options)
+    pointer = _agree_pointer(engine, path, options, foreign=("file", "dir") if original is not None else ())
+    if pointer is None:  # Lightning's own checkpoint (before unickpt was turned on): Lightning's own reader
+        return original(strategy, checkpoint_path, weights_only=weights_only)
     if pointer.route != "sharded":
         raise ValueError(f"{path!r} holds a full checkpoint dict (saved through CheckpointIO, route "
                          f"{pointer.route!r}); {type(strategy).__name__} with sharded state loads sharded-route "
@@ -263,6 +300,9 @@ def load_sharded(io: Any, strategy: Any, checkpoint_path: Any, weights_only: boo
         state = {TREE_KEY: None}
         engine.load(vdir, state, strict=True, storage_options=options, verify=io.verify)
     allow = io._load_pickle(weights_only)
+    found = [] if allow else _pickled(state[TREE_KEY])
+    if found:
+        raise _unsafe(path, found, saving=False)
     return join(codec.decode(state[TREE_KEY], allow_pickle=allow, key=TREE_KEY), lambda tag: None)
 
 

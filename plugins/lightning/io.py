@@ -21,12 +21,13 @@ from lightning.fabric.plugins import CheckpointIO
 
 from unickpt.collectives import THIS_PROCESS
 from unickpt.engine import SaveHandle, get_engine
+from unickpt.errors import UnsafeObjectError
 from unickpt.metadata import METADATA_FILE, read_metadata
 from unickpt.storage import Storage
 
 from . import _layout
 from ._layout import Pointer
-from ._tree import TENSOR_TAG, join, split
+from ._tree import _ODICT_TAG, TENSOR_TAG, join, split
 
 __all__ = ["UnickptCheckpointIO"]
 
@@ -66,8 +67,14 @@ class UnickptCheckpointIO(CheckpointIO):
             tensors instead of writing them again.
         verify: check every byte read against its checksum on load.
 
-    Raises (on save/load): TypeError for a DTensor in a full checkpoint dict; ValueError when a
-    path is not a checkpoint this plugin wrote; the unickpt errors of :func:`unickpt.save` /
+    A file that is not a unickpt pointer (a ``torch.save`` checkpoint from before unickpt was turned
+    on) is read as ``TorchCheckpointIO`` reads it. Constructing the plugin also routes
+    ``LightningModule.load_from_checkpoint`` of pointer files to unickpt (:mod:`._strategies`).
+
+    Raises (on save/load): TypeError for a DTensor in a full checkpoint dict; ValueError for a
+    damaged pointer (naming the field) or a directory; UnsafeObjectError naming the key inside the
+    checkpoint (``'hyper_parameters.args'``) of a value the trust model refuses; the unickpt errors
+    of :func:`unickpt.save` /
     :func:`unickpt.load` (``StateMismatchError``, ``IntegrityError``, ``UnsafeObjectError``, ...).
     """
 
@@ -182,6 +189,8 @@ class UnickptCheckpointIO(CheckpointIO):
         options = self._options(storage_options)
         storage = Storage(path, options)
         tree, tensors = split(checkpoint)
+        if not self._save_pickle():
+            _refuse_pickles(path, tree)
         step = _global_step(checkpoint)
         fingerprint = _fingerprint(tensors)
         link = self._link_source(path, step, fingerprint)
@@ -254,27 +263,42 @@ class UnickptCheckpointIO(CheckpointIO):
 
         ``map_location``: ``None`` (CPU, as Lightning's ``TorchCheckpointIO``), a device or device
         string, or a ``{saved device: device}`` dict. ``weights_only=False`` allows unpickling (see
-        ``allow_pickle``). Raises ValueError if ``path`` is not a checkpoint this plugin wrote,
-        FileNotFoundError if it does not exist.
+        ``allow_pickle``). A file that is not a unickpt pointer (a ``torch.save`` checkpoint written
+        before unickpt was turned on) is read as ``TorchCheckpointIO`` would. Raises ValueError for a
+        damaged pointer or a directory, FileNotFoundError if ``path`` does not exist.
         """
+        return self._load(path, map_location, weights_only, get_engine(None))
+
+    def _load(self, path: Any, map_location: Any, weights_only: bool | None, engine: Any) -> dict[str, Any]:
+        """:meth:`load_checkpoint` over ``engine``'s process group (``get_engine(THIS_PROCESS)``: this
+        process alone, as ``LightningModule.load_from_checkpoint`` reads, see :mod:`._strategies`)."""
         self._wait()
         path = _fspath(path)
         options = self._options(None)
-        engine = get_engine(None)
-        pointer = _agree_pointer(engine, path, options)
+        pointer = _agree_pointer(engine, path, options, foreign=("file",))
+        if pointer is None:  # a torch.save checkpoint (written before unickpt was turned on): read it as Lightning does
+            from lightning.fabric.utilities.cloud_io import _load as pl_load
+
+            log.info("unickpt.lightning: %s is not a unickpt checkpoint; reading it with torch.load", path)
+            return pl_load(path, map_location=map_location or (lambda storage, loc: storage), weights_only=weights_only)
         if pointer.route != "io":
             raise ValueError(f"{path!r} was saved by a sharded strategy (route {pointer.route!r}); load it with the "
                              "same kind of strategy (ModelParallelStrategy / FSDPStrategy sharded)")
         vdir = _layout.resolve(path, pointer.checkpoint)
         allow = self._load_pickle(weights_only)
-        if pointer.tensors_from is None:
-            template = _tensor_template(vdir, options)
-            state: dict[str, Any] = {TENSORS_KEY: template, TREE_KEY: None} if template else {TREE_KEY: None}
-            engine.load(vdir, state, strict=True, storage_options=options, allow_pickle=allow, verify=self.verify)
-        else:
+        try:
+            if pointer.tensors_from is None:
+                template = _tensor_template(vdir, options)
+                state: dict[str, Any] = {TENSORS_KEY: template, TREE_KEY: None} if template else {TREE_KEY: None}
+                engine.load(vdir, state, strict=True, storage_options=options, allow_pickle=allow, verify=self.verify)
+            else:
+                state = {TREE_KEY: None}
+                engine.load(vdir, state, strict=True, storage_options=options, allow_pickle=allow, verify=self.verify)
+        except UnsafeObjectError as e:
+            found = _pickled(read_metadata(Storage(vdir, options), vdir).state_tree.get(TREE_KEY))
+            raise (_unsafe(path, found, saving=False) if found else e) from None
+        if pointer.tensors_from is not None:
             source = _layout.resolve(path, pointer.tensors_from)
-            state = {TREE_KEY: None}
-            engine.load(vdir, state, strict=True, storage_options=options, allow_pickle=allow, verify=self.verify)
             template = _tensor_template(source, options)
             tstate = {TENSORS_KEY: template}
             engine.load(source, tstate, strict=False, storage_options=options, allow_pickle=allow, verify=self.verify)
@@ -333,6 +357,15 @@ def _wait_at_exit() -> None:
             log.exception("unickpt.lightning: a checkpoint save failed before exit")
 
 
+def _refuse_pickles(path: str, tree: Any) -> None:
+    """Raise :func:`_unsafe` if the tensor-free ``tree`` holds a value only pickle can store."""
+    from unickpt import codec
+
+    found = _pickled(codec.encode(tree, allow_pickle=True))
+    if found:
+        raise _unsafe(path, found, saving=True)
+
+
 def _fspath(path: Any) -> str:
     p = os.fspath(path)
     return p if "://" in p else os.path.abspath(p)
@@ -345,10 +378,11 @@ def _global_step(checkpoint: Any) -> int | None:
 
 def _fingerprint(tensors: dict[str, torch.Tensor]) -> tuple:
     """Identity of the tensors' current contents: storage address, view, and version counter (bumped
-    by every in-place change made through autograd-visible ops, optimizer steps included)."""
+    by every in-place change made through autograd-visible ops, optimizer steps included). ``()``
+    (never link) when a tensor has no version counter (meta, inference-mode tensors)."""
     out = []
     for fqn, t in tensors.items():
-        if t.device.type == "meta":
+        if t.device.type == "meta" or t.is_inference():  # inference tensors have no version counter: never link
             return ()
         out.append((fqn, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
                     str(t.device), t._version))
@@ -387,26 +421,83 @@ def _collect_link_target(storage: Storage, link_path: str, target_vdir: str) -> 
         storage.rm(owner)
 
 
-def _agree_pointer(engine: Any, path: str, options: dict | None) -> Pointer:
+def _pickled(encoded: Any, path: tuple = ()) -> list[tuple[str, str]]:
+    """``(key path, class)`` of every pickled value in a codec-encoded checkpoint tree (for errors:
+    ``hyper_parameters.args``, not just the top-level key)."""
+    from unickpt import codec
+
+    out: list[tuple[str, str]] = []
+    if isinstance(encoded, list):
+        for i, v in enumerate(encoded):
+            out += _pickled(v, path + (i,))
+    elif isinstance(encoded, dict):
+        if len(encoded) == 1:
+            (tag, body), = encoded.items()
+            if tag == "__pickle__":
+                return [(".".join(map(str, path)) or "<root>", str(body.get("type")))]
+            if tag in ("__tuple__", "__set__", "__frozenset__"):
+                return _pickled(body, path)
+            if tag in ("__odict__", "__dict__"):
+                for k, v in body:
+                    try:
+                        name = codec.decode(k)
+                    except Exception:  # noqa: BLE001 - a pickled key: name it by position
+                        name = "<key>"
+                    out += _pickled(v, path + (name,))
+                return out
+            if tag == _ODICT_TAG:
+                return _pickled(body.get("items"), path)
+        for k, v in encoded.items():
+            out += _pickled(v, path + (k,))
+    return out
+
+
+def _unsafe(path: str, found: list[tuple[str, str]], saving: bool) -> UnsafeObjectError:
+    """The one-line error for pickled values in checkpoint ``path`` (``found`` from :func:`_pickled`)."""
+    key, cls = found[0]
+    more = f" (and {len(found) - 1} more such value(s))" if len(found) > 1 else ""
+    what = f"{path!r}: checkpoint key {key!r} holds an object of class {cls}{more}"
+    if saving:
+        return UnsafeObjectError(f"{what}, which only pickle can store, and UnickptCheckpointIO(allow_pickle=False) "
+                                 "forbids pickle; use allow_pickle=None/True or keep only plain values there")
+    return UnsafeObjectError(f"{what}, which only unpickling restores (it can execute code); if you trust this "
+                             "checkpoint pass weights_only=False (trainer.fit/validate/test(ckpt_path=..., "
+                             "weights_only=False), load_from_checkpoint(..., weights_only=False)) or use "
+                             "UnickptCheckpointIO(allow_pickle=True)")
+
+
+def _agree_pointer(engine: Any, path: str, options: dict | None, foreign: tuple = ()) -> Pointer | None:
     """Group rank 0 reads the pointer (after its own pending saves committed) and every rank gets
-    its reading, or the same error."""
+    its reading, or the same error. ``foreign``: kinds of existing paths that are not unickpt
+    pointers (``"file"``: e.g. a ``torch.save`` checkpoint; ``"dir"``: e.g. Lightning's own sharded
+    checkpoint) for which every rank gets None instead of an error, so the caller reads them with
+    Lightning's own reader."""
     result: Any = None
     if engine.rank == 0:
         storage = Storage(path, options)
         try:
             if not storage.exists(path):
-                raise FileNotFoundError(f"no checkpoint at {path!r}")
-            result = ("ok", _layout.read_pointer(storage, path).to_bytes())
-        except (OSError, ValueError) as e:
+                hint = ""
+                if _layout.versions(storage, path):
+                    hint = (f" (its data directory {_layout.data_root(path)!r} exists: the pointer file was deleted "
+                            "or never written, e.g. a crash before the first commit)")
+                raise FileNotFoundError(f"no checkpoint at {path!r}{hint}")
+            kind = "dir" if storage.isdir(path) else "file"
+            if kind in foreign and not _layout.claims_format(storage, path):
+                result = ("foreign",)
+            else:
+                result = ("ok", _layout.read_pointer(storage, path).to_bytes())
+        except Exception as e:  # noqa: BLE001 - every rank must get it, or the others wait in the broadcast
             result = ("error", type(e).__name__, str(e))
     result = engine.broadcast(result)
+    if result[0] == "foreign":
+        return None
     if result[0] == "error":
-        cls = {"FileNotFoundError": FileNotFoundError}.get(result[1], ValueError)
+        cls = {"FileNotFoundError": FileNotFoundError, "PermissionError": PermissionError}.get(result[1], ValueError)
         raise cls(result[2])
     import json
 
-    doc = json.loads(result[1])
-    return Pointer(doc["checkpoint"], doc.get("route", "io"), doc.get("global_step"), doc.get("tensors_from"))
+    return _layout.pointer_from_doc(path, json.loads(result[1]))
 
 
 def _tensor_template(vdir: str, options: dict | None) -> dict[str, torch.Tensor]:
@@ -427,12 +518,22 @@ def _tensor_template(vdir: str, options: dict | None) -> dict[str, torch.Tensor]
 
 
 def _mover(map_location: Any) -> Callable[[torch.Tensor, str | None], torch.Tensor]:
+    """How a loaded CPU tensor saved on device ``saved`` moves, following ``torch.load``'s
+    ``map_location``; a callable gets ``(storage, saved location)`` and returns a storage (its device
+    is the target) or None (the saved device, as ``torch.load`` does)."""
     if map_location is None:
         return lambda t, saved: t
+    if callable(map_location) and not isinstance(map_location, (str, torch.device, dict)):
+        def move(t: torch.Tensor, saved: str | None) -> torch.Tensor:
+            out = map_location(t.untyped_storage(), saved or "cpu")
+            target = torch.device(saved or "cpu") if out is None else out.device
+            return t if t.device == target else t.to(target)
+        return move
     if isinstance(map_location, (str, torch.device)):
         device = torch.device(map_location)
         return lambda t, saved: t.to(device)
     if isinstance(map_location, dict):
         return lambda t, saved: t.to(map_location.get(saved, saved)) if saved in map_location else t
-    raise TypeError(f"map_location must be None, a device, a device string or a dict of device strings, "
+    raise TypeError(f"map_location must be None, a device, a device string, a dict of device strings or a "
+                    f"callable (storage, location) -> storage, "
                     f"got {type(map_location).__name__}")
