@@ -20,9 +20,26 @@ def pool():
             pools[n] = DistPool(n, timeout_s=180)
         return pools[n]
 
+    get.pools = pools
     yield get
     for p in pools.values():
         p.close()
+
+
+@pytest.fixture(autouse=True)
+def _reset_engine_options(request):
+    """After a test that used the shared ranks, put their save options back to the defaults, so
+    that one test's ``Engine.configure`` (an upload target, a small ring) never leaks into the next."""
+    yield
+    if "pool" not in request.fixturenames:
+        return
+    import pipeline_workers
+
+    for p in request.getfixturevalue("pool").pools.values():
+        try:
+            p.run(pipeline_workers.reset_options)
+        except Exception:  # a pool a test broke on purpose: its own test reports that
+            pass
 
 
 @pytest.fixture(scope="session")

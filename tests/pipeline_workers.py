@@ -21,6 +21,11 @@ def _configure(**kw) -> None:
     get_engine().configure(**{**DEFAULTS, **kw})
 
 
+def reset_options() -> None:
+    """The default save options on this rank's engine (conftest runs it after each pool test)."""
+    _configure()
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
