@@ -13,48 +13,40 @@ torch, so the startup hook (:mod:`unickpt._startup`, run from a ``.pth`` file in
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
 # public name -> submodule that defines it
 _EXPORTS = {
-    "save": "api",
-    "load": "api",
-    "Checkpointer": "checkpointer",
-    "list_checkpoints": "checkpointer",
-    "SaveHandle": "engine",
-    "SaveStats": "engine",
-    "LoadStats": "reader",
-    "Shard": "types",
-    "PerRank": "types",
-    "RNGState": "rng",
-    "CheckpointMetadata": "metadata",
-    "FORMAT_VERSION": "metadata",
-    "UnickptError": "errors",
-    "CheckpointNotFoundError": "errors",
-    "CheckpointExistsError": "errors",
-    "FormatVersionError": "errors",
-    "StateMismatchError": "errors",
-    "IntegrityError": "errors",
-    "PerRankReshardError": "errors",
-    "UnsafeObjectError": "errors",
-    "SaveFailedError": "errors",
-    "LoadFailedError": "errors",
+    "save": ".api",
+    "load": ".api",
+    "Checkpointer": ".checkpointer",
+    "list_checkpoints": ".checkpointer",
+    "SaveHandle": ".engine",
+    "SaveStats": ".engine",
+    "LoadStats": ".reader",
+    "Shard": ".types",
+    "PerRank": ".types",
+    "RNGState": ".rng",
+    "CheckpointMetadata": ".metadata",
+    "FORMAT_VERSION": ".metadata",
+    "UnickptError": ".errors",
+    "CheckpointNotFoundError": ".errors",
+    "CheckpointExistsError": ".errors",
+    "FormatVersionError": ".errors",
+    "StateMismatchError": ".errors",
+    "IntegrityError": ".errors",
+    "PerRankReshardError": ".errors",
+    "UnsafeObjectError": ".errors",
+    "SaveFailedError": ".errors",
+    "LoadFailedError": ".errors",
 }
 
 __all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    """Import the submodule that defines ``name`` on first use (PEP 562); AttributeError if unknown."""
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'unickpt' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:

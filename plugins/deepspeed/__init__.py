@@ -18,7 +18,7 @@ Activation needs no code: unickpt's startup hook calls :func:`unickpt.deepspeed.
 """
 from __future__ import annotations
 
-from typing import Any
+from unickpt._lazy import lazy_getattr
 
 __all__ = ["install", "UnickptConfig", "UnickptCheckpointEngine", "save_checkpoint", "load_checkpoint"]
 
@@ -29,15 +29,4 @@ _LAZY = {
     "save_checkpoint": ".checkpoint",
     "load_checkpoint": ".checkpoint",
 }
-
-
-def __getattr__(name: str) -> Any:
-    """Import the submodule defining ``name`` on first use (keeps ``import unickpt.deepspeed`` cheap)."""
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'unickpt.deepspeed' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(mod, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -16,20 +16,9 @@ exactly), :mod:`._layout` (pointer files and versions on storage), :mod:`._callb
 """
 from __future__ import annotations
 
-from typing import Any
+from unickpt._lazy import lazy_getattr
 
 __all__ = ["UnickptCheckpointIO", "UnickptCallback", "UnickptFabricCallback"]
 
 _LAZY = {"UnickptCheckpointIO": ".io", "UnickptCallback": "._callback", "UnickptFabricCallback": "._callback"}
-
-
-def __getattr__(name: str) -> Any:
-    """Import the submodule defining ``name`` on first use (``import unickpt.lightning`` stays cheap)."""
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'unickpt.lightning' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(mod, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)
