@@ -91,6 +91,20 @@ class Progress:
                 "total": float(self.total)}
 
 
+def prepare_training(acc) -> tuple:
+    """The training script's objects, prepared by ``acc``, with a :class:`Progress` registered for
+    checkpointing: ``(model, optimizer, scheduler, loader, norm, progress)``."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    loader = torch.utils.data.DataLoader(make_data(), batch_size=4, shuffle=True)
+    norm = make_norm()
+    model, optimizer, scheduler, loader, norm = acc.prepare(model, optimizer, scheduler, loader, norm)
+    progress = Progress()
+    acc.register_for_checkpointing(progress)
+    return model, optimizer, scheduler, loader, norm, progress
+
+
 def write_report(path: str, rank: int, report: dict) -> None:
     with open(f"{path}.{rank}.json", "w") as f:
         json.dump(report, f, indent=1, sort_keys=True)

@@ -17,8 +17,8 @@ import unickpt
 import unickpt.accelerate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from accelerate_common import (Progress, digest, full_states, make_data, make_model, make_norm,  # noqa: E402
-                               rng_digest, write_report)
+from accelerate_common import (digest, full_states, make_model, prepare_training, rng_digest,  # noqa: E402
+                               write_report)
 
 report_path, ddp_ckpt, fsdp_ckpt, fsdp1_ckpt, work = sys.argv[1:6]
 report: dict = {}
@@ -34,14 +34,7 @@ def error(fn) -> list:
 
 # 1. the DDP run's checkpoint_1, the same script objects, on 1 process
 acc = Accelerator()
-model = make_model()
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
-loader = torch.utils.data.DataLoader(make_data(), batch_size=4, shuffle=True)
-norm = make_norm()
-model, optimizer, scheduler, loader, norm = acc.prepare(model, optimizer, scheduler, loader, norm)
-progress = Progress()
-acc.register_for_checkpointing(progress)
+model, optimizer, scheduler, loader, norm, progress = prepare_training(acc)
 unickpt.accelerate.enable(acc)  # default: rng_reshard="error"
 before = full_states(model, optimizer)
 report["rng_error"] = error(lambda: acc.load_state(ddp_ckpt))

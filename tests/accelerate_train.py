@@ -14,21 +14,13 @@ from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from accelerate_common import (Progress, digest, full_states, make_data, make_model, make_norm,  # noqa: E402
-                               rng_digest, write_report)
+from accelerate_common import digest, full_states, prepare_training, rng_digest, write_report  # noqa: E402
 
 EPOCHS = 3
 report_path, project, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 acc = Accelerator(project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True,
                                                       total_limit=2))
-model = make_model()
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
-loader = torch.utils.data.DataLoader(make_data(), batch_size=4, shuffle=True)
-norm = make_norm()
-model, optimizer, scheduler, loader, norm = acc.prepare(model, optimizer, scheduler, loader, norm)
-progress = Progress()
-acc.register_for_checkpointing(progress)
+model, optimizer, scheduler, loader, norm, progress = prepare_training(acc)
 report = {"world": acc.num_processes, "saves": {}}
 
 
