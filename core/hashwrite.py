@@ -46,7 +46,7 @@ import xxhash
 try:
     from .storage import DIRECT_ALIGN
 except ImportError:  # loaded by file path in the writer process (no package, so that torch is not imported)
-    from unickpt_storage import DIRECT_ALIGN  # type: ignore[no-redef]  # registered by worker_main's bootstrap
+    from unickpt_storage import DIRECT_ALIGN  # type: ignore[no-redef]  # loaded by WriterProcess's bootstrap
 
 __all__ = ["ChunkHasher", "HashWriter", "JobSpec", "WriterProcess", "GRANULE_BYTES",
            "DIRECT_ALIGN", "DIRECT_MIN_BYTES", "stream_layout", "send_msg", "recv_msg"]
@@ -493,7 +493,7 @@ class WriterProcess:
                 "st.loader.exec_module(s)\n"
                 "spec = importlib.util.spec_from_file_location('unickpt_hashwrite', sys.argv[1])\n"
                 "m = importlib.util.module_from_spec(spec); sys.modules['unickpt_hashwrite'] = m\n"
-                "spec.loader.exec_module(m); m.worker_main(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))\n")
+                "spec.loader.exec_module(m); m.worker_main(int(sys.argv[2]), int(sys.argv[4]))\n")
         self.proc = subprocess.Popen(
             [sys.executable, "-I", "-c", code, os.path.join(here, "hashwrite.py"), str(child_sock.fileno()),
              os.path.join(here, "storage.py"), str(nice)],
@@ -560,20 +560,14 @@ class WriterProcess:
         self._reader.join(timeout=10)
 
 
-def worker_main(fd: int, storage_path: str, nice: int) -> None:
+def worker_main(fd: int, nice: int) -> None:
     """Entry point of the writer process: serve the parent until it says exit or goes away."""
-    import importlib.util
-
     if nice > 0:
         try:
             os.nice(nice)
         except OSError:  # pragma: no cover
             pass
-    storage_mod = sys.modules.get("unickpt_storage")
-    if storage_mod is None:
-        spec = importlib.util.spec_from_file_location("unickpt_storage", storage_path)
-        storage_mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(storage_mod)  # type: ignore[union-attr]
+    storage_mod = sys.modules["unickpt_storage"]  # loaded by the bootstrap before this module
     sock = socket.socket(fileno=fd)
     lock = threading.Lock()
     rings: dict[int, tuple[mmap.mmap, memoryview]] = {}
