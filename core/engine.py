@@ -215,7 +215,7 @@ def _guarded(state: dict, flat: FlatState) -> tuple[frozenset, list]:
             ptrs.update(_storage_ptr(v) for v in st.values() if isinstance(v, torch.Tensor))
     ptrs.discard(None)
     fqns = frozenset(fqn for fqn, leaf in flat.tensors.items()
-                     if fqn not in flat.aliases and _storage_ptr(leaf.local) in ptrs)
+                     if fqn not in flat.aliases and leaf.storage_ptr in ptrs)
     return fqns, optims
 
 

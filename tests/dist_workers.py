@@ -199,3 +199,54 @@ def die_during_save(path: str, report: str) -> None:
         msg = f"{type(e).__name__}: {e}"
     with open(report, "w") as f:
         f.write(msg)
+
+
+def flatten_matches_torch_state_dicts() -> dict:
+    """``flatten`` of {model, optimizer} (one combined ``get_state_dict``) and of a model with two
+    optimizers (separate calls) against torch's own ``get_model_state_dict`` /
+    ``get_optimizer_state_dict``: the same fqns, each leaf the same storage, each DTensor's box the
+    one torch computes; a second flatten returns the same boxes (the spec cache)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from unickpt.resharding import Box
+    from unickpt.state import flatten
+
+    def reference(model, optims: dict) -> dict:
+        ref = {f"model.{k}": v for k, v in get_model_state_dict(model).items()}
+        for name, o in optims.items():
+            for fqn, st in get_optimizer_state_dict(model, o)["state"].items():
+                ref.update({f"{name}.state.{fqn}.{k}": v for k, v in st.items() if isinstance(v, torch.Tensor)})
+        return ref
+
+    def check(state: dict, ref: dict) -> list[str]:
+        first, second = flatten(state, for_load=False), flatten(state, for_load=False)
+        assert sorted(first.tensors) == sorted(ref), (sorted(first.tensors), sorted(ref))
+        for fqn, want in ref.items():
+            leaf = first.tensors[fqn]
+            local = want.to_local() if isinstance(want, DTensor) else want
+            assert leaf.local.data_ptr() == local.data_ptr() and leaf.local.shape == local.shape, fqn
+            if isinstance(want, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(want.shape, want.device_mesh, want.placements)
+                assert leaf.spec == Box(tuple(offset), tuple(shape)), (fqn, leaf.spec, offset, shape)
+            else:
+                assert leaf.spec == Box((0,) * want.dim(), tuple(want.shape)), fqn
+            assert second.tensors[fqn].spec == leaf.spec and leaf.storage_ptr == local.untyped_storage().data_ptr()
+        return sorted(first.tensors)
+
+    model = _fsdp2(_mlp())
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optim, 1, seed=3)
+    one = check({"model": model, "optim": optim}, reference(model, {"optim": optim}))
+
+    model2 = _fsdp2(_mlp())
+    params = list(model2.parameters())
+    oa = torch.optim.AdamW(params[:2], lr=1e-2)
+    ob = torch.optim.SGD(params[2:], lr=1e-2, momentum=0.9)
+    loss = model2(torch.randn(4, 12)).sum()
+    loss.backward()
+    oa.step()
+    ob.step()
+    two = check({"model": model2, "oa": oa, "ob": ob}, reference(model2, {"oa": oa, "ob": ob}))
+    return {"one": one, "two": two}

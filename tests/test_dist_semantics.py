@@ -101,3 +101,15 @@ def test_rank_dying_mid_save_fails_the_survivors_cleanly(tmp_path):
     text = report.read_text()  # the pool lets survivors finish before it kills them
     assert text.startswith("SaveFailedError:") and "lost contact with the other ranks" in text, text
     assert not os.path.exists(os.path.join(path, "metadata.json"))
+
+
+def test_flatten_equals_torch_state_dicts_on_fsdp2(pool):
+    """The caller-side fast path (one ``get_state_dict`` per model with one optimizer, DTensor boxes
+    cached by spec, local shards without ``to_local()``) yields torch's fqns, storages and boxes."""
+    results = pool(2).run(w.flatten_matches_torch_state_dicts)
+    assert results[0] == results[1]
+    one = results[0]["one"]
+    assert len(one) == 6 + 6 * 3  # 6 params; AdamW's step, exp_avg, exp_avg_sq per param
+    assert "optim.state.0.weight.exp_avg" in one and "model.3.bias" in one
+    two = results[0]["two"]
+    assert len([f for f in two if f.startswith("oa.")]) == 2 * 3 and len([f for f in two if f.startswith("ob.")]) == 4
