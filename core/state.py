@@ -17,6 +17,7 @@ joins the keys on its path with ``.``; two paths giving one fqn are an error.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -57,10 +58,14 @@ class FlatState:
 def dtensor_box(dt: Any, fqn: str) -> Box:
     """The global box of a DTensor's local shard. Raises ValueError for Partial/strided placements.
 
-    Cached by the DTensor's spec (mesh, placements, global shape; its hash is cached by torch): the
-    computation costs ~0.2 ms per DTensor and is the same for every save of a layout."""
+    Cached by the DTensor's spec (mesh, placements, global shape; its hash is cached by torch) and this
+    process's mesh coordinate: the computation costs ~0.2 ms per DTensor and is the same for every save
+    of a layout."""
     spec = getattr(dt, "_spec", None)
-    box = _BOX_BY_SPEC.get(spec) if spec is not None else None
+    # the box also depends on this process's place in the mesh, which equal specs do not pin down (a
+    # process group re-created with other ranks, as an in-process elastic restart does)
+    key = None if spec is None else (spec, tuple(dt.device_mesh.get_coordinate() or ()))
+    box = _BOX_BY_SPEC.get(key) if key is not None else None
     if box is not None:
         return box
     from torch.distributed.tensor import Replicate
@@ -76,26 +81,25 @@ def dtensor_box(dt: Any, fqn: str) -> Box:
     local_shape, offset = compute_local_shape_and_global_offset(tuple(dt.shape), dt.device_mesh,
                                                                 tuple(dt.placements))
     box = Box(tuple(int(o) for o in offset), tuple(int(n) for n in local_shape))
-    if spec is not None:
+    if key is not None:
         if len(_BOX_BY_SPEC) >= 4096:
             _BOX_BY_SPEC.clear()
-        _BOX_BY_SPEC[spec] = box
+        _BOX_BY_SPEC[key] = box
     return box
 
 
-_BOX_BY_SPEC: dict[Any, Box] = {}
+_BOX_BY_SPEC: dict[tuple, Box] = {}
 
 
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # pragma: no cover - torch without distributed
-    _DTensor = None
-
-_PLAIN = (str, int, float, bool, type(None))
+# exact types: subclasses (``np.float64`` is a float, IntEnum an int) go through codec.encode, which tags them
+_PLAIN = frozenset((str, int, float, bool, type(None)))
 
 
 def _is_dtensor(x: Any) -> bool:
-    return _DTensor is not None and isinstance(x, _DTensor)
+    # no import: until torch.distributed.tensor has been imported (~40 MB, 500 modules), no DTensor exists
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    return cls is not None and isinstance(x, cls)
 
 
 def _is_tensor_leaf(x: Any) -> bool:
@@ -108,7 +112,7 @@ def _is_stateful(x: Any) -> bool:
 
 def _has_special(x: Any) -> bool:
     """True if ``x`` is or holds a leaf that is not a plain value (tensor, per-rank, stateful)."""
-    if isinstance(x, _PLAIN):
+    if type(x) in _PLAIN:
         return False
     if _is_tensor_leaf(x) or isinstance(x, (PerRank, nn.Module, torch.optim.Optimizer)):
         return True
@@ -231,7 +235,7 @@ def flatten(state: dict, *, for_load: bool, allow_pickle: bool = False) -> FlatS
         return None
 
     def walk(x: Any, path: tuple, fqn: str, container: Any, key: Any) -> Any:
-        if isinstance(x, _PLAIN):  # the common leaf: a step count, a learning rate, a name
+        if type(x) in _PLAIN:  # the common leaf: a step count, a learning rate, a name
             if not path:
                 raise TypeError("state must be a dict")
             claim(fqn, path)

@@ -250,3 +250,26 @@ def flatten_matches_torch_state_dicts() -> dict:
     ob.step()
     two = check({"model": model2, "oa": oa, "ob": ob}, reference(model2, {"oa": oa, "ob": ob}))
     return {"one": one, "two": two}
+
+
+def save_load_after_rank_change(root: str, port: int) -> list[bool]:
+    """An in-process restart that gives this process the other rank (elastic restarts do): save and
+    load a Shard(0) DTensor before and after it. Each round trip must return the global tensor
+    (a DTensor box cached for the first group would swap the halves after the restart)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    ok = []
+    g = torch.arange(24.0).reshape(6, 4)
+    for gen in range(2):
+        if gen == 1:
+            rank = 1 - dist.get_rank()
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        mesh = init_device_mesh("cpu", (2,))
+        path = os.path.join(root, f"gen{gen}")
+        unickpt.save(path, {"a": distribute_tensor(g * (gen + 1), mesh, [Shard(0)])})
+        into = distribute_tensor(torch.zeros(6, 4), mesh, [Replicate()])
+        unickpt.load(path, {"a": into})
+        ok.append(torch.equal(into.to_local(), g * (gen + 1)))
+    return ok

@@ -113,3 +113,14 @@ def test_flatten_equals_torch_state_dicts_on_fsdp2(pool):
     assert "optim.state.0.weight.exp_avg" in one and "model.3.bias" in one
     two = results[0]["two"]
     assert len([f for f in two if f.startswith("oa.")]) == 2 * 3 and len([f for f in two if f.startswith("ob.")]) == 4
+
+
+def test_dtensor_boxes_follow_a_rank_change_in_process(tmp_path):
+    """Regression (found by breaking the box cache): equal DTensor specs on a re-created group where
+    this process holds the other rank must not reuse the first group's box."""
+    from unickpt.testing import DistPool
+    from unickpt.testing.dist import _free_port
+
+    with DistPool(2, timeout_s=120) as pool:
+        results = pool.run(w.save_load_after_rank_change, str(tmp_path), _free_port())
+    assert results == [[True, True], [True, True]]

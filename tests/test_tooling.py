@@ -411,9 +411,10 @@ def test_export_holds_one_tensor_at_a_time(tmp_path):
                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     growth = int(res.stdout.split()[-1])
-    # one tensor in memory (16 MB; the allocator may keep a freed one mapped: ~36 MB measured), far
-    # from the whole model (--format torch, which holds a shard, measures ~137 MB here)
-    assert growth < 56 << 20, f"export grew the process by {growth >> 20} MB for a 128 MB model of 16 MB tensors"
+    # one tensor in memory (16 MB); glibc keeps freed 16 MB blocks in its heap once its mmap threshold
+    # has risen, so the peak is 1-3 blocks (18 / 34 / 50 MB measured, varying between runs), far from
+    # the whole model (--format torch, which holds a shard, measures ~137 MB here)
+    assert growth < 64 << 20, f"export grew the process by {growth >> 20} MB for a 128 MB model of 16 MB tensors"
     got = load_file(str(tmp_path / "o" / "model.safetensors"))
     assert got.keys() == layers.keys() and all(torch.equal(got[k], v) for k, v in layers.items())
 

@@ -168,3 +168,18 @@ def test_megatron_metadata_json_gets_a_hint():
                                                  r"checkpoint \(sharded_backend 'unickpt'\), its unickpt part is "
                                                  r"the 'unickpt' subdirectory"):
         CheckpointMetadata.from_json('{"sharded_backend": "unickpt", "sharded_backend_version": 1}')
+
+
+def test_numpy_scalars_keep_their_type_through_flatten():
+    """Regression: ``np.float64`` is a float subclass; the walk's fast path for plain leaves must not
+    take it (it would come back as a python float), it goes through the codec's tagged form."""
+    from unickpt.state import flatten
+
+    import json
+
+    flat = flatten({"lr": np.float64(0.25), "n": np.int64(3), "x": 1.5, "s": "a", "t": torch.ones(2)}, for_load=False)
+    stored = json.loads(json.dumps(flat.skeleton))  # as metadata.json holds it
+    assert stored["x"] == 1.5 and stored["s"] == "a"
+    for key, value in (("lr", np.float64(0.25)), ("n", np.int64(3))):
+        back = codec.decode(stored[key])
+        assert type(back) is type(value) and back == value, (key, back)
