@@ -48,31 +48,41 @@ def encode(value: Any, *, allow_pickle: bool = True, key: str = "") -> Any:
     """Turn ``value`` into JSON-serialisable data (see module docstring).
 
     A value of a class JSON cannot express is pickled only with ``allow_pickle``; otherwise
-    :class:`~unickpt.errors.UnsafeObjectError` names ``key`` and the class.
+    :class:`~unickpt.errors.UnsafeObjectError` names the class and the value's key path: ``key``
+    followed by the dict keys and list / tuple indices down to it (``"hparams.optim.1"``).
     """
     return _encode(value, allow_pickle, key)
 
 
+_JSON_SCALARS = frozenset((str, int, float, bool, type(None)))  # exact types: np.float64 is a float
+
+
+def _sub(key: str, part: Any) -> str:
+    return f"{key}.{part}" if key else str(part)
+
+
 def _encode(value: Any, allow_pickle: bool, key: str) -> Any:
-    def encode(v: Any) -> Any:
-        return _encode(v, allow_pickle, key)
+    def encode(v: Any, part: Any = None) -> Any:
+        if type(v) in _JSON_SCALARS:  # the common element: no key path to build
+            return v
+        return _encode(v, allow_pickle, key if part is None else _sub(key, part))
 
     if isinstance(value, np.generic) and value.dtype.kind in "biufc":  # before float: np.float64 is a float
         return {"__npscalar__": {"dtype": value.dtype.str, "data": _b64(value.tobytes())}}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, list):
-        return [encode(v) for v in value]
+        return [encode(v, i) for i, v in enumerate(value)]
     if isinstance(value, torch.Size):
         return {"__size__": list(value)}
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return {"__tuple__": [encode(v) for v in value]}
+        return {"__tuple__": [encode(v, i) for i, v in enumerate(value)]}
     if type(value) is collections.OrderedDict:
-        return {"__odict__": [[encode(k), encode(v)] for k, v in value.items()]}
+        return {"__odict__": [[encode(k), encode(v, k)] for k, v in value.items()]}
     if isinstance(value, dict) and type(value) is dict:
         if all(isinstance(k, str) and k not in _TAGS for k in value):
-            return {k: encode(v) for k, v in value.items()}
-        return {"__dict__": [[encode(k), encode(v)] for k, v in value.items()]}
+            return {k: encode(v, k) for k, v in value.items()}
+        return {"__dict__": [[encode(k), encode(v, k)] for k, v in value.items()]}
     if isinstance(value, (bytes, bytearray)):
         return {"__bytes__": _b64(value)}
     if isinstance(value, (set, frozenset)):
@@ -102,20 +112,21 @@ def _encode(value: Any, allow_pickle: bool, key: str) -> Any:
 
 
 def decode(data: Any, *, allow_pickle: bool = False, key: str = "") -> Any:
-    """Inverse of :func:`encode`. ``key`` names the value in errors."""
+    """Inverse of :func:`encode`. ``key`` names the value in errors (with the key path below it, as
+    :func:`encode` does)."""
     if isinstance(data, list):
-        return [decode(v, allow_pickle=allow_pickle, key=key) for v in data]
+        return [decode(v, allow_pickle=allow_pickle, key=_sub(key, i)) if isinstance(v, (dict, list)) else v
+                for i, v in enumerate(data)]
     if not isinstance(data, dict):
         return data
     if len(data) == 1:
         (tag, body), = data.items()
         if tag == "__tuple__":
-            return tuple(decode(v, allow_pickle=allow_pickle, key=key) for v in body)
+            return tuple(decode(v, allow_pickle=allow_pickle, key=_sub(key, i)) for i, v in enumerate(body))
         if tag == "__odict__":
-            return collections.OrderedDict((decode(k, allow_pickle=allow_pickle, key=key),
-                                            decode(v, allow_pickle=allow_pickle, key=key)) for k, v in body)
+            return collections.OrderedDict(_decode_items(body, allow_pickle, key))
         if tag == "__dict__":
-            return {decode(k, allow_pickle=allow_pickle, key=key): decode(v, allow_pickle=allow_pickle, key=key) for k, v in body}
+            return dict(_decode_items(body, allow_pickle, key))
         if tag == "__bytes__":
             return base64.b64decode(body)
         if tag in ("__set__", "__frozenset__"):
@@ -147,4 +158,12 @@ def decode(data: Any, *, allow_pickle: bool = False, key: str = "") -> Any:
                     "which can execute code; pass allow_pickle=True if you trust this checkpoint"
                 )
             return pickle.loads(base64.b64decode(body["data"]))
-    return {k: decode(v, allow_pickle=allow_pickle, key=key) for k, v in data.items()}
+    return {k: decode(v, allow_pickle=allow_pickle, key=_sub(key, k)) for k, v in data.items()}
+
+
+def _decode_items(body: list, allow_pickle: bool, key: str) -> list[tuple[Any, Any]]:
+    out = []
+    for k, v in body:
+        dk = decode(k, allow_pickle=allow_pickle, key=key)
+        out.append((dk, decode(v, allow_pickle=allow_pickle, key=_sub(key, dk))))
+    return out

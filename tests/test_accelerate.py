@@ -210,10 +210,10 @@ def test_repeated_saves_into_one_folder_keep_the_newest(runs):
 def test_pickle_is_opt_in_and_safe_serialization(runs):
     d = runs["D"]
     assert d["unsafe_save"][0] == "UnsafeObjectError"
-    assert d["unsafe_save"][1].startswith("'custom.0': a value of class __main__.Opaque has no JSON or tensor form")
+    assert d["unsafe_save"][1].startswith("'custom.0.value': a value of class __main__.Opaque has no JSON or tensor form")
     assert "safe_serialization=False" in d["unsafe_save"][1]
     assert d["unsafe_load"][0] == "UnsafeObjectError"
-    assert d["unsafe_load"][1].startswith("'custom.0': stored object of class __main__.Opaque can only be restored")
+    assert d["unsafe_load"][1].startswith("'custom.0.value': stored object of class __main__.Opaque can only be restored")
     assert d["pickled_reloaded"] is True
 
 

@@ -92,7 +92,7 @@ class _Custom:
 
 def test_codec_pickle_only_with_opt_in():
     enc = codec.encode({"obj": _Custom(3)})
-    with pytest.raises(UnsafeObjectError, match=r"'cfg'.*_Custom.*allow_pickle=True"):
+    with pytest.raises(UnsafeObjectError, match=r"'cfg.obj'.*_Custom.*allow_pickle=True"):
         codec.decode(enc, key="cfg")
     assert codec.decode(enc, allow_pickle=True)["obj"].x == 3
 
@@ -183,3 +183,19 @@ def test_numpy_scalars_keep_their_type_through_flatten():
     for key, value in (("lr", np.float64(0.25)), ("n", np.int64(3))):
         back = codec.decode(stored[key])
         assert type(back) is type(value) and back == value, (key, back)
+
+
+def test_codec_errors_name_the_nested_key_path():
+    """UnsafeObjectError names the value's path below the key (dict keys, list and tuple indices),
+    on save (encode) and on load (decode), not only the top-level key."""
+    bad = {"opt": {"groups": [1, {"sched": _Custom(1)}]}, "pair": (0, _Custom(2))}
+    with pytest.raises(UnsafeObjectError, match=r"^'hparams\.opt\.groups\.1\.sched': a value of class .*_Custom"):
+        codec.encode(bad, allow_pickle=False, key="hparams")
+    with pytest.raises(UnsafeObjectError, match=r"^'hparams\.pair\.1': a value of class .*_Custom"):
+        codec.encode({"pair": (0, _Custom(2))}, allow_pickle=False, key="hparams")
+    enc = codec.encode(bad)
+    with pytest.raises(UnsafeObjectError, match=r"^'hparams\.opt\.groups\.1\.sched': stored object of class .*_Custom"):
+        codec.decode(enc, key="hparams")
+    enc = codec.encode({3: [_Custom(3)]})  # a non-string key: stored as __dict__ pairs
+    with pytest.raises(UnsafeObjectError, match=r"^'cfg\.3\.0': stored object"):
+        codec.decode(enc, key="cfg")
