@@ -11,16 +11,19 @@ from .storage import Storage
 
 __all__ = ["Checkpointer", "list_checkpoints"]
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+# the names this package writes (``step_{int(step)}``) only: ``step_01`` is not one; read as step 1 it
+# would alias ``step_1``, and retention could remove the other directory under that step's name
+STEP_DIR = re.compile(r"^step_(0|[1-9][0-9]*)$")
 LATEST_FILE = "latest"
 
 
 def list_checkpoints(root: str, storage_options: dict | None = None) -> list[tuple[int, bool]]:
-    """``[(step, committed), ...]`` for every ``step_<N>`` directory under ``root``, by step."""
+    """``[(step, committed), ...]`` for every ``step_<N>`` directory under ``root`` (``N`` without
+    leading zeros, as :class:`Checkpointer` names them), by step."""
     storage = Storage(root, storage_options)
     out = []
     for name in storage.listdir(root):
-        m = _STEP_DIR.match(name)
+        m = STEP_DIR.match(name)
         if m:
             out.append((int(m.group(1)), storage.exists(storage.join(root, name, METADATA_FILE))))
     return sorted(out)

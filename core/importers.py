@@ -33,6 +33,7 @@ import importlib
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -305,8 +306,10 @@ def import_checkpoint(src: str, out: str, *, source: str | None = None, allow_pi
     local = Storage(out, storage_options).is_local
     root, dir_step = step_of(os.path.abspath(out) if local else out)  # a relative `step_5` has a root too
     name = out.rstrip("/").rpartition("/")[2]
-    if dir_step is not None and name != f"step_{dir_step}":  # `latest`, ls and load name it step_<N>
-        raise UnickptError(f"{out!r}: name it step_{dir_step}; a run's checkpoints are step_<N> without leading zeros")
+    padded = re.fullmatch(r"step_0+(\d+)", name)  # `latest`, ls and load name it step_<N>: never step_0100
+    if padded:
+        raise UnickptError(f"{out!r}: name it step_{int(padded.group(1))}; a run's checkpoints are step_<N> without "
+                           "leading zeros")
     if step is not None and dir_step is not None and step != dir_step:
         raise UnickptError(f"--step {step} contradicts the directory name step_{dir_step} of {out!r}, by which "
                            "`ls`, `latest` and Checkpointer.load know it; drop --step or rename the target")

@@ -17,7 +17,7 @@ import re
 import shutil
 from dataclasses import dataclass
 
-from .checkpointer import LATEST_FILE, list_checkpoints
+from .checkpointer import LATEST_FILE, STEP_DIR, list_checkpoints
 from .errors import UnickptError
 from .metadata import METADATA_FILE, WRITER_FILE, writer_alive
 from .storage import Storage
@@ -26,7 +26,6 @@ __all__ = ["Removal", "remove_checkpoint", "prune_checkpoints", "update_latest",
 
 _ENTRIES = re.compile(r"^(data|objects|metadata\.json|metadata\.json\.tmp-[0-9a-f]+|" + re.escape(WRITER_FILE) + r")$")
 _FILES = {"data": re.compile(r"^\d+_\d+\.bin$"), "objects": re.compile(r"^rank_\d+\.json$")}
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ class Removal:
 def step_of(path: str) -> tuple[str, int | None]:
     """``(root, N)`` for a path ``root/step_<N>``, else ``(parent, None)``."""
     root, _, name = path.rstrip("/").rpartition("/")
-    m = _STEP_DIR.match(name)
+    m = STEP_DIR.match(name)
     return root, int(m.group(1)) if m else None
 
 

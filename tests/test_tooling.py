@@ -332,6 +332,21 @@ def test_prune_keeps_the_newest_and_drops_crashed_saves(tmp_path, capsys):
     assert unickpt.Checkpointer(root).load(target) == 4 and torch.equal(target["w"], torch.full((4,), 4.0))
 
 
+def test_prune_ignores_a_step_dir_with_leading_zeros(tmp_path, capsys):
+    """Regression: ``step_01`` was read as step 1; as an incomplete "step 1" older than the newest
+    commit, prune removed ``step_1`` (committed and within --keep-last) in its name."""
+    from unickpt.checkpointer import list_checkpoints
+
+    root = _run_dir(tmp_path, [1, 5])
+    os.makedirs(root / "step_01" / "data")  # not a name the Checkpointer writes
+    assert list_checkpoints(str(root)) == [(1, True), (5, True)]
+    assert main(["prune", str(root), "--keep-last", "2"]) == 0
+    assert sorted(os.listdir(root)) == ["latest", "step_01", "step_1", "step_5"]
+    target = {"w": torch.zeros(4)}
+    unickpt.load(root / "step_1", target)
+    assert torch.equal(target["w"], torch.full((4,), 1.0))
+
+
 # -- observability, CLI errors -----------------------------------------------------------------------
 def test_one_log_line_per_save_and_load_with_the_stats(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="unickpt"):

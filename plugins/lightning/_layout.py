@@ -34,7 +34,7 @@ __all__ = ["Pointer", "pointer_from_doc", "data_root", "version_dir", "relative"
 POINTER_FORMAT = "unickpt-lightning"
 POINTER_VERSION = 1
 DATA_SUFFIX = ".unickpt"
-_VERSION_DIR = re.compile(r"^step_(\d+)$")
+_VERSION_DIR = re.compile(r"^step_(0|[1-9][0-9]*)$")  # as written: no leading zeros
 _MAX_POINTER_BYTES = 1 << 16
 
 
