@@ -185,18 +185,6 @@ def _digest8(text: str) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=8).digest()
 
 
-def _optimizers(x: Any, out: list) -> list:
-    if isinstance(x, torch.optim.Optimizer):
-        out.append(x)
-    elif isinstance(x, dict):
-        for v in x.values():
-            _optimizers(v, out)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            _optimizers(v, out)
-    return out
-
-
 def _storage_ptr(t: Any) -> int | None:
     local = getattr(t, "_local_tensor", t)  # a DTensor's shard
     if not isinstance(local, torch.Tensor) or local.device.type == "meta" or local.numel() == 0:
@@ -204,10 +192,10 @@ def _storage_ptr(t: Any) -> int | None:
     return local.untyped_storage().data_ptr()
 
 
-def _guarded(state: dict, flat: FlatState) -> tuple[frozenset, list]:
-    """Overlap snapshots: the fqns whose tensors belong to an optimizer in ``state`` (its parameters
+def _guarded(flat: FlatState) -> tuple[frozenset, list]:
+    """Overlap snapshots: the fqns whose tensors belong to an optimizer of the flattened state (its parameters
     and its state tensors: only ``optimizer.step()`` changes them), and those optimizers."""
-    optims = _optimizers(state, [])
+    optims = flat.optimizers
     ptrs = set()
     for o in optims:
         for g in o.param_groups:
@@ -317,7 +305,7 @@ class Engine:
                 for leaf in flat.tensors.values():
                     check_leaf_fits(leaf)
                 if opts.snapshot == "overlap":
-                    job.guarded, optims, must_wait = self._overlap_snapshot(flat, state, commit, opts)
+                    job.guarded, optims, must_wait = self._overlap_snapshot(flat, commit, opts)
                 local = make_local_plan(flat, self.rank, job.guarded)
                 commit.signature = local.signature()
                 local.objects_digest = hashlib.blake2b(repr(sorted(flat.objects)).encode(), digest_size=8).hexdigest()
@@ -360,12 +348,12 @@ class Engine:
             handle.wait()
         return handle
 
-    def _overlap_snapshot(self, flat: FlatState, state: dict, commit: _Commit,
+    def _overlap_snapshot(self, flat: FlatState, commit: _Commit,
                           opts: SaveOptions) -> tuple[frozenset, list, bool]:
         """Overlap mode: (fqns staged after the caller returns, optimizers to guard, whether the caller
         must wait for the rest to be staged). Tensors no optimizer owns are cloned when they are small
         (at most :data:`OVERLAP_CLONE_BYTES`), so that the caller need not wait at all."""
-        guarded, optims = _guarded(state, flat)
+        guarded, optims = _guarded(flat)
         loose = {fqn: leaf for fqn, leaf in flat.tensors.items() if fqn not in guarded and fqn not in flat.aliases}
         loose_bytes = sum(leaf.local.numel() * leaf.local.element_size() for leaf in loose.values())
         if loose_bytes > min(OVERLAP_CLONE_BYTES, opts.pool_cap(self.world_size) // 4):

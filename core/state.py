@@ -53,6 +53,7 @@ class FlatState:
     per_rank: dict[str, PerRank] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)  # fqn -> fqn it shares storage with
     skeleton: Any = None  # the expanded tree, encoded, with tensor / per-rank references
+    optimizers: list = field(default_factory=list)  # the torch optimizers in the state, in walk order
     appliers: list[Callable[[], None]] = field(default_factory=list)  # load_state_dict calls, inner first
 
 
@@ -196,7 +197,7 @@ def flatten(state: dict, *, for_load: bool, allow_pickle: bool = False) -> FlatS
         raise TypeError(f"state must be a dict, got {type(state).__name__}")
     out = FlatState()
     modules: list[nn.Module] = []
-    optimizers: list[torch.optim.Optimizer] = []
+    optimizers = out.optimizers
     _collect_modules(state, modules, optimizers)
     seen_alias: dict[tuple, str] = {}
     paths: dict[str, tuple] = {}
