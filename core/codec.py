@@ -54,7 +54,8 @@ def encode(value: Any, *, allow_pickle: bool = True, key: str = "") -> Any:
     return _encode(value, allow_pickle, key)
 
 
-_JSON_SCALARS = frozenset((str, int, float, bool, type(None)))  # exact types: np.float64 is a float
+# values JSON stores as they are, by exact type (``np.float64`` is a float subclass: it is tagged)
+JSON_SCALARS = frozenset((str, int, float, bool, type(None)))
 
 
 def _sub(key: str, part: Any) -> str:
@@ -63,7 +64,7 @@ def _sub(key: str, part: Any) -> str:
 
 def _encode(value: Any, allow_pickle: bool, key: str) -> Any:
     def encode(v: Any, part: Any = None) -> Any:
-        if type(v) in _JSON_SCALARS:  # the common element: no key path to build
+        if type(v) in JSON_SCALARS:  # the common element: no key path to build
             return v
         return _encode(v, allow_pickle, key if part is None else _sub(key, part))
 

@@ -17,6 +17,7 @@ joins the keys on its path with ``.``; two paths giving one fqn are an error.
 """
 from __future__ import annotations
 
+import collections
 import math
 import sys
 from dataclasses import dataclass, field
@@ -93,10 +94,6 @@ def dtensor_box(dt: Any, fqn: str) -> Box:
 _BOX_BY_SPEC: dict[tuple, Box] = {}
 
 
-# exact types: subclasses (``np.float64`` is a float, IntEnum an int) go through codec.encode, which tags them
-_PLAIN = frozenset((str, int, float, bool, type(None)))
-
-
 def _is_dtensor(x: Any) -> bool:
     # no import: until torch.distributed.tensor has been imported (~40 MB, 500 modules), no DTensor exists
     mod = sys.modules.get("torch.distributed.tensor")
@@ -114,7 +111,7 @@ def _is_stateful(x: Any) -> bool:
 
 def _has_special(x: Any) -> bool:
     """True if ``x`` is or holds a leaf that is not a plain value (tensor, per-rank, stateful)."""
-    if type(x) in _PLAIN:
+    if type(x) in codec.JSON_SCALARS:
         return False
     if _is_tensor_leaf(x) or isinstance(x, (PerRank, nn.Module, torch.optim.Optimizer)):
         return True
@@ -203,16 +200,12 @@ def flatten(state: dict, *, for_load: bool, allow_pickle: bool = False) -> FlatS
     paths: dict[str, tuple] = {}
     # a module with exactly one optimizer: both state dicts from one ``get_state_dict`` call (it
     # verifies the model once; two separate calls cost ~1.5x as much, all of it in the caller's stall)
-    owner = {id(o): _module_for(o, modules) for o in optimizers}
-    pairs: dict[int, list] = {}
-    for o in optimizers:
-        if owner[id(o)] is not None:
-            pairs.setdefault(id(owner[id(o)]), []).append(o)
+    owner = {o: _module_for(o, modules) for o in optimizers}  # optimizers hash by identity
+    optims_of = collections.Counter(id(m) for m in owner.values() if m is not None)
     combined: dict[int, Any] = {}
-    for m in modules:
-        optims = pairs.get(id(m), [])
-        if len(optims) == 1 and id(m) not in combined:
-            combined[id(m)], combined[id(optims[0])] = get_state_dict(m, optims[0])
+    for o, m in owner.items():
+        if m is not None and optims_of[id(m)] == 1:
+            combined[id(m)], combined[id(o)] = get_state_dict(m, o)
 
     def claim(fqn: str, path: tuple) -> None:
         if fqn in paths:
@@ -225,7 +218,7 @@ def flatten(state: dict, *, for_load: bool, allow_pickle: bool = False) -> FlatS
             sd = combined.pop(id(x), None)
             return (get_model_state_dict(x) if sd is None else sd), lambda sd, m=x: set_model_state_dict(m, sd)
         if isinstance(x, torch.optim.Optimizer):
-            model = owner[id(x)]
+            model = owner[x] if x in owner else _module_for(x, modules)  # one inside a stateful object
             if model is None:
                 raise ValueError(f"{fqn!r}: no nn.Module in the state holds this optimizer's parameters; "
                                  "put the model in the same state dict as its optimizer")
@@ -237,7 +230,7 @@ def flatten(state: dict, *, for_load: bool, allow_pickle: bool = False) -> FlatS
         return None
 
     def walk(x: Any, path: tuple, fqn: str, container: Any, key: Any) -> Any:
-        if type(x) in _PLAIN:  # the common leaf: a step count, a learning rate, a name
+        if type(x) in codec.JSON_SCALARS:  # the common leaf: a step count, a learning rate, a name
             if not path:
                 raise TypeError("state must be a dict")
             claim(fqn, path)
