@@ -445,3 +445,108 @@ def test_stateful_dataloader_resumes_mid_epoch(tmp_path, accelerator_factory):
     assert sorted(os.listdir(tmp_path / "state")) == ["unickpt"]
     acc.load_state(str(tmp_path / "state"))
     assert [b[0].tolist() for b in loader] == rest  # the 7 batches after the saved position, in order
+
+
+@pytest.fixture
+def slow_commit(monkeypatch):
+    """``hold(part)``: the commits (writes of ``metadata.json``) of saves whose path contains ``part``
+    wait until ``release()`` (or 20 s), so that such an asynchronous save is still in flight when
+    ``save_state`` has returned."""
+    import threading
+    from types import SimpleNamespace
+
+    from unickpt.storage import Storage
+
+    gate, held = threading.Event(), []
+    original = Storage.write_atomic
+
+    def write_atomic(self, path, data):
+        if path.endswith("metadata.json") and any(part in path for part in held):
+            gate.wait(20)
+        return original(self, path, data)
+
+    monkeypatch.setattr(Storage, "write_atomic", write_atomic)
+    yield SimpleNamespace(hold=held.append, release=gate.set)
+    gate.set()
+
+
+def _tiny(acc):
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    optim = torch.optim.Adam(model.parameters())
+    return acc.prepare(model, optim)
+
+
+def test_removing_the_project_right_after_save_state_removes_the_checkpoint(tmp_path, accelerator_factory,
+                                                                          slow_commit):
+    # Accelerate's test_with_save_limit: the TemporaryDirectory holding the project is removed as soon as
+    # save_state returns. That raced the background write ("Directory not empty" in the user's rmtree, or
+    # a SaveFailedError raised by the next, unrelated save_state). Removal now waits for the save inside.
+    import shutil
+    import threading
+
+    from accelerate.utils import ProjectConfiguration
+
+    project = tmp_path / "project"
+    acc = accelerator_factory(project_config=ProjectConfiguration(project_dir=str(project), total_limit=1,
+                                                                  automatic_checkpoint_naming=True))
+    _tiny(acc)
+    slow_commit.hold("checkpoint_1")
+    acc.save_state()
+    acc.save_state()
+    folder = project / "checkpoints" / "checkpoint_1"
+    assert not (folder / "unickpt" / "step_0" / "metadata.json").exists()  # still in flight
+    threading.Timer(0.3, slow_commit.release).start()
+    shutil.rmtree(project)  # what TemporaryDirectory.__exit__ does
+    assert not project.exists()
+    acc.project_configuration.automatic_checkpoint_naming = False
+    acc.save_state(str(tmp_path / "other"))  # nothing of the removed save is raised here
+    unickpt_wait()
+    assert not project.exists()  # and nothing brought it back
+    assert sorted(os.listdir(tmp_path)) == ["other"]
+    acc.load_state(str(tmp_path / "other"))
+
+
+def test_a_save_whose_folder_was_removed_meanwhile_is_a_warning_not_a_later_error(tmp_path, accelerator_factory,
+                                                                                 slow_commit, caplog):
+    import logging
+    import subprocess
+
+    acc = accelerator_factory()
+    _tiny(acc)
+    slow_commit.hold(str(tmp_path / "a"))
+    acc.save_state(str(tmp_path / "a"))
+    subprocess.run(["rm", "-rf", str(tmp_path / "a")], check=True)  # not through shutil.rmtree: no wait
+    slow_commit.release()
+    with caplog.at_level(logging.WARNING, logger="unickpt.accelerate"):
+        acc.save_state(str(tmp_path / "b"))  # the removed save's failure is not raised here
+        unickpt_wait()
+    removed = [r.getMessage() for r in caplog.records if "was removed while the save was being written" in r.getMessage()]
+    assert len(removed) == 1 and removed[0].startswith(f"unickpt.accelerate: the save into {tmp_path / 'a'} did not "
+                                                       "complete")
+    acc.load_state(str(tmp_path / "b"))
+    # a save that fails while its folder is still there is raised, as before
+    import unickpt
+    from unickpt.storage import Storage
+
+    held = Storage.write_atomic
+
+    def failing(self, path, data):
+        if os.sep + "c" + os.sep in path and path.endswith("metadata.json"):
+            raise OSError(28, "No space left on device")
+        return held(self, path, data)
+
+    Storage.write_atomic = failing
+    try:
+        acc.save_state(str(tmp_path / "c"))
+        with pytest.raises(unickpt.SaveFailedError, match="No space left on device"):
+            unickpt_wait()
+    finally:
+        Storage.write_atomic = held
+
+
+def unickpt_wait():
+    import unickpt.accelerate
+
+    unickpt.accelerate.wait()

@@ -19,6 +19,7 @@ import atexit
 import functools
 import logging
 import os
+import shutil
 import threading
 import time
 import weakref
@@ -91,15 +92,88 @@ def disable(accelerator: Any = None) -> None:
 
 def wait() -> None:
     """Block until every pending unickpt save of this process (default group) has committed;
-    raise the first failure not yet raised."""
+    raise the first failure not yet raised. A save whose Accelerate folder was removed while it was
+    being written (by the user, after ``save_state`` returned) is not an error: its target is gone,
+    and it is reported as a warning (see :func:`_wait_tracked`)."""
     import torch.distributed as dist
 
     from unickpt.engine import _ENGINES
 
+    _wait_tracked()
     key = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     engine = _ENGINES.get(key)
     if engine is not None:
         engine.wait()
+
+
+# -- saves in flight: removal waits for them, and a removed target is not a later error ---------------
+_tracked: list[tuple[Any, str]] = []  # (SaveHandle, Accelerate folder) of async saves not yet waited for
+
+
+def _track(handle: Any, folder: str) -> None:
+    with _lock:  # emptied by the next save_state / load_state / wait()
+        _tracked.append((handle, os.path.abspath(folder)))
+
+
+def _target_removed(handle: Any, folder: str) -> bool:
+    """True when the save's Accelerate folder, its unickpt root or the save's own directory is gone."""
+    return not os.path.isdir(handle.path) or not os.path.isdir(_layout.store_root(folder))
+
+
+def _wait_tracked() -> None:
+    """Wait for this process's pending ``save_state`` saves; raise the first failure, unless the save's
+    folder was removed while it was being written: then the save's target no longer exists, and the
+    failure (files could not be written or committed into a deleted folder) is logged as a warning,
+    not raised into a later, unrelated ``save_state`` / ``load_state``."""
+    with _lock:
+        pending, _tracked[:] = list(_tracked), []
+    first: BaseException | None = None
+    for handle, folder in pending:
+        try:
+            handle.wait()
+        except BaseException as e:  # keep waiting for the rest
+            if isinstance(e, Exception) and _target_removed(handle, folder):
+                log.warning("unickpt.accelerate: the save into %s did not complete: the folder was removed while "
+                            "the save was being written (%s)", folder, str(e).splitlines()[0])
+            else:
+                first = first or e
+    if first is not None:
+        raise first
+
+
+def _overlaps(removed: str, save_dir: str) -> bool:
+    return save_dir == removed or save_dir.startswith(removed + os.sep) or removed.startswith(save_dir + os.sep)
+
+
+def _wait_for_saves_under(path: Any) -> None:
+    """Block until no save of this process still writes inside ``path`` (or into a folder ``path`` is
+    inside). Errors are not raised here: they are the save's, reported by the next wait."""
+    try:
+        removed = os.path.abspath(os.fsdecode(os.fspath(path)))
+    except TypeError:  # a file descriptor, or something that is no path
+        return
+    with _lock:
+        busy = [h for h, _ in _tracked if not h.done() and _overlaps(removed, os.path.abspath(h.path))]
+    for handle in busy:
+        while not handle.done():
+            time.sleep(0.005)
+
+
+_rmtree = shutil.rmtree
+
+
+@functools.wraps(_rmtree)
+def _rmtree_after_saves(path: Any, *args: Any, **kwargs: Any) -> Any:
+    """``shutil.rmtree`` that first waits for this process's saves in flight inside ``path``.
+
+    With Accelerate a checkpoint is complete when ``save_state`` returns, so removing its folder (or
+    the project directory, or a ``tempfile.TemporaryDirectory`` around it) right afterwards removes
+    the whole checkpoint. An asynchronous unickpt save still writes there; without waiting, the
+    removal would race the writer (``Directory not empty``, or a folder brought back by the writer).
+    Paths that hold no save in flight are removed at once."""
+    if _tracked:
+        _wait_for_saves_under(path)
+    return _rmtree(path, *args, **kwargs)
 
 
 class _FolderCheckpointer(Checkpointer):
@@ -153,6 +227,7 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
         log.warning("unickpt.accelerate: save_state ignores %s (arguments for DeepSpeed's save_checkpoint)",
                     sorted(kwargs))
     engine = get_engine()
+    _wait_tracked()
     engine.wait()  # the previous save commits (or raises) before this one starts
     output_dir = _output_dir(acc, output_dir)
 
@@ -179,7 +254,7 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
         state = build_state(acc, indices, opts, saving=True)  # collective on several processes
         step = engine.broadcast(_layout.next_step(output_dir) if engine.rank == 0 else None)
         with process0_buffers(acc, indices):  # the snapshot is taken when save() returns
-            ckpt.save(step, state, async_save=opts.async_save)
+            handle = ckpt.save(step, state, async_save=opts.async_save)
     except BaseException as e:
         if acc.project_configuration.automatic_checkpoint_naming:
             _remove_failed(engine, output_dir, step, e)  # so that the next save_state can use this iteration
@@ -188,6 +263,8 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
                 f"{e} (unickpt.accelerate: allow pickling with save_state(..., safe_serialization=False), "
                 "unickpt.accelerate.enable(allow_pickle=True) or UNICKPT_ACCELERATE_ALLOW_PICKLE=1)") from e
         raise
+    if not handle.done():
+        _track(handle, output_dir)
     acc.project_configuration.iteration += 1
     return Path(output_dir)
 
@@ -247,6 +324,7 @@ def _load_state(acc: Any, opts: Options, input_dir: str | None, load_kwargs: dic
     from accelerate.utils import DistributedType
 
     engine = get_engine()
+    _wait_tracked()
     engine.wait()  # a pending save commits first: it may be the one being loaded
     input_dir = _input_dir(acc, input_dir, engine)
     kind = engine.broadcast(_layout.folder_kind(input_dir) if engine.rank == 0 else None)
@@ -344,4 +422,5 @@ def patch_accelerate() -> None:
         for fn in (save_state, load_state, end_training):
             fn.__unickpt__ = True  # type: ignore[attr-defined]
         Accelerator.save_state, Accelerator.load_state, Accelerator.end_training = save_state, load_state, end_training
+        shutil.rmtree = _rmtree_after_saves  # removing a folder right after save_state removes the whole checkpoint
         atexit.register(_wait_quietly)
