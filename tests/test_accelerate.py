@@ -489,10 +489,10 @@ def test_removing_the_project_right_after_save_state_removes_the_checkpoint(tmp_
     from accelerate.utils import ProjectConfiguration
 
     project = tmp_path / "project"
-    acc = accelerator_factory(project_config=ProjectConfiguration(project_dir=str(project), total_limit=1,
+    acc = accelerator_factory(project_config=ProjectConfiguration(project_dir=str(project), total_limit=2,
                                                                   automatic_checkpoint_naming=True))
     _tiny(acc)
-    slow_commit.hold("checkpoint_1")
+    slow_commit.hold("checkpoint_1")  # (with total_limit=1 that save would return after its commit)
     acc.save_state()
     acc.save_state()
     folder = project / "checkpoints" / "checkpoint_1"
@@ -550,3 +550,35 @@ def unickpt_wait():
     import unickpt.accelerate
 
     unickpt.accelerate.wait()
+
+
+def test_total_limit_holds_when_save_state_returns(tmp_path, accelerator_factory, slow_commit):
+    # Accelerate deletes the folders beyond total_limit before it saves: a listing after save_state shows
+    # at most total_limit folders. Rotating only after the (asynchronous) commit showed one folder more.
+    import threading
+
+    from accelerate.utils import ProjectConfiguration
+
+    project = tmp_path / "two"
+    acc = accelerator_factory(project_config=ProjectConfiguration(project_dir=str(project), total_limit=2,
+                                                                  automatic_checkpoint_naming=True))
+    _tiny(acc)
+    slow_commit.hold("checkpoint_2")
+    for _ in range(3):
+        acc.save_state()
+    checkpoints = project / "checkpoints"
+    assert not (checkpoints / "checkpoint_2" / "unickpt" / "step_0" / "metadata.json").exists()  # in flight
+    assert sorted(os.listdir(checkpoints)) == ["checkpoint_1", "checkpoint_2"]
+    slow_commit.release()
+    unickpt_wait()
+    assert sorted(os.listdir(checkpoints)) == ["checkpoint_1", "checkpoint_2"]
+
+    # total_limit=1: the only other folder is the last committed checkpoint; it goes once the new one
+    # committed, and save_state returns after that
+    acc.project_configuration.total_limit = 1
+    slow_commit.hold("checkpoint_3")
+    threading.Timer(0.3, slow_commit.release).start()
+    acc.save_state()
+    assert sorted(os.listdir(checkpoints)) == ["checkpoint_3"]
+    assert (checkpoints / "checkpoint_3" / "unickpt" / "step_0" / "metadata.json").exists()
+    acc.load_state()

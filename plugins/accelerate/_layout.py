@@ -11,8 +11,10 @@ Layout (Accelerate's own naming is kept, so users and tools that know ``checkpoi
 With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` the folders are
 ``<project_dir>/checkpoints/checkpoint_<N>``. Accelerate deletes the oldest folders beyond
 ``total_limit`` *before* a save (so a failing save can leave no checkpoint at all); here rotation runs
-on group rank 0 *after* the new checkpoint committed, and never deletes the folder just committed nor
-one that a save still in flight (this process or a live writer) is writing into.
+on group rank 0 when ``save_state`` returns (the previous checkpoint has committed by then and is kept;
+with ``total_limit=1`` that save waits for its own commit first) and again after each commit, and
+never deletes the folder being saved nor one that a save still in flight (this process or a live
+writer) is writing into.
 """
 from __future__ import annotations
 

@@ -255,6 +255,8 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
         step = engine.broadcast(_layout.next_step(output_dir) if engine.rank == 0 else None)
         with process0_buffers(acc, indices):  # the snapshot is taken when save() returns
             handle = ckpt.save(step, state, async_save=opts.async_save)
+        if after is not None:
+            _rotate_at_return(engine, handle, checkpoints_dir, limit, output_dir)
     except BaseException as e:
         if acc.project_configuration.automatic_checkpoint_naming:
             _remove_failed(engine, output_dir, step, e)  # so that the next save_state can use this iteration
@@ -267,6 +269,23 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
         _track(handle, output_dir)
     acc.project_configuration.iteration += 1
     return Path(output_dir)
+
+
+def _rotate_at_return(engine: Any, handle: Any, checkpoints_dir: str, limit: int, output_dir: str) -> None:
+    """``total_limit`` as Accelerate shows it: when ``save_state`` returns, the folders beyond the limit
+    are gone. Accelerate deletes them before it saves; here the previous checkpoint has committed (the
+    save waited for it), so with ``total_limit >= 2`` group rank 0 deletes the oldest folders now,
+    keeping the new one and at least one committed checkpoint. With ``total_limit=1`` the only other
+    folder is the last committed checkpoint: this save waits for its own commit, after which rotation
+    deletes the previous folder, so a failing save never leaves no checkpoint."""
+    if limit >= 2:
+        if engine.rank == 0:
+            _layout.rotate(checkpoints_dir, limit, output_dir, engine.in_flight)
+        return
+    others = [p for _, p in _layout.checkpoint_folders(checkpoints_dir)
+              if os.path.abspath(p) != os.path.abspath(output_dir)]
+    if others and not handle.done():
+        handle.wait()  # raises the save's failure here, at the call (the folder is then removed)
 
 
 def _remove_failed(engine: Any, output_dir: str, step: int | None, error: BaseException) -> None:
