@@ -582,3 +582,42 @@ def test_total_limit_holds_when_save_state_returns(tmp_path, accelerator_factory
     assert sorted(os.listdir(checkpoints)) == ["checkpoint_3"]
     assert (checkpoints / "checkpoint_3" / "unickpt" / "step_0" / "metadata.json").exists()
     acc.load_state()
+
+
+_SAVER = """
+import json, sys, time
+import torch
+from unickpt.storage import Storage
+original = Storage.write_atomic
+def slow(self, path, data):  # the commit lands 2 s after save_state returned
+    if path.endswith("metadata.json"):
+        time.sleep(2.0)
+    return original(self, path, data)
+Storage.write_atomic = slow
+from accelerate import Accelerator
+acc = Accelerator(cpu=True)
+torch.manual_seed(5)
+model = acc.prepare(torch.nn.Linear(2, 2))
+acc.save_state(sys.argv[1])
+print(json.dumps(model.weight.tolist()), flush=True)
+"""
+
+
+def test_a_second_process_loads_the_checkpoint_once_save_state_returned(tmp_path, accelerator_factory):
+    # with Accelerate, the files are on disk when save_state returns; another process loading the folder
+    # then (an evaluation job) found an uncommitted unickpt save: CheckpointNotFoundError
+    import torch
+
+    folder = tmp_path / "state"
+    saver = subprocess.Popen([sys.executable, "-c", _SAVER, str(folder)], env=_env(UNICKPT_ACCELERATE="1"),
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        weight = json.loads(saver.stdout.readline())
+        assert not (folder / "unickpt" / "step_0" / "metadata.json").exists()  # still being written
+        acc = accelerator_factory()
+        model = acc.prepare(torch.nn.Linear(2, 2))
+        acc.load_state(str(folder))
+        assert model.weight.tolist() == weight
+    finally:
+        saver.communicate(timeout=120)
+    assert saver.returncode == 0

@@ -351,6 +351,8 @@ def _load_state(acc: Any, opts: Options, input_dir: str | None, load_kwargs: dic
         raise unickpt.CheckpointNotFoundError(
             f"load_state: {input_dir!r} is not a checkpoint: it holds neither a unickpt/ folder nor the files of "
             "Accelerate's own save_state (random_states_<r>.pkl, ...)")
+    if kind == "unickpt":  # another process of this host may still be writing it (its save_state returned)
+        engine.broadcast(_layout.wait_for_writer(input_dir) if engine.rank == 0 else None)
     if kind == "accelerate":
         log.info("unickpt.accelerate: %s holds no unickpt checkpoint; loading it with Accelerate", input_dir)
         result = _originals["load_state"](acc, input_dir, load_kwargs=load_kwargs, **kwargs)
