@@ -621,3 +621,15 @@ def test_a_second_process_loads_the_checkpoint_once_save_state_returned(tmp_path
     finally:
         saver.communicate(timeout=120)
     assert saver.returncode == 0
+
+
+def test_each_process_naming_its_own_folder(tmp_path):
+    # each process passes its own tempfile.TemporaryDirectory() (Accelerate's test_distributed_data_loop.py):
+    # process 1's share went into its own folder, and process 1 loaded a folder holding no commit
+    pytest.importorskip("torchdata")
+    _finish({"own": _start(2, "accelerate_own_folders.py", str(tmp_path / "own"), env=_env(UNICKPT_ACCELERATE="1"))})
+    reports = _reports(str(tmp_path / "own"), 2)
+    for rep in reports:
+        assert rep["restored"] is True and rep["resumed_batches"] is True
+    # the checkpoint is in process 0's folder; process 1's exists, as with Accelerate
+    assert reports[0]["listing"] == ["unickpt"] and reports[1]["listing"] == []

@@ -213,6 +213,21 @@ def _output_dir(acc: Any, output_dir: str | None) -> str:
     return output_dir
 
 
+def _shared_folder(engine: Any, folder: str, call: str) -> str:
+    """Process 0's folder, on every process (collective). A unickpt checkpoint is one collective
+    object, so when the processes name different folders (each one its own
+    ``tempfile.TemporaryDirectory()``, which Accelerate tolerates: every process writes its own files
+    into its own folder) all of them use process 0's; theirs still exist, as with Accelerate."""
+    if engine.world_size <= 1:
+        return folder
+    mine = os.path.abspath(folder)
+    shared = engine.broadcast(mine if engine.rank == 0 else None)
+    if shared != mine:
+        log.info("unickpt.accelerate: %s: this process's folder %s is not process 0's; the checkpoint is in %s",
+                 call, mine, shared)
+    return shared
+
+
 def _kept(original: list, after_hooks: list) -> list[int]:
     """Indices of ``original`` whose object is still in ``after_hooks`` (identity)."""
     ids = {id(x) for x in after_hooks}
@@ -229,7 +244,7 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
     engine = get_engine()
     _wait_tracked()
     engine.wait()  # the previous save commits (or raises) before this one starts
-    output_dir = _output_dir(acc, output_dir)
+    output_dir = _shared_folder(engine, _output_dir(acc, output_dir), "save_state")
 
     models = list(acc._models)
     indices = list(range(len(models)))
@@ -352,6 +367,7 @@ def _load_state(acc: Any, opts: Options, input_dir: str | None, load_kwargs: dic
             f"load_state: {input_dir!r} is not a checkpoint: it holds neither a unickpt/ folder nor the files of "
             "Accelerate's own save_state (random_states_<r>.pkl, ...)")
     if kind == "unickpt":  # another process of this host may still be writing it (its save_state returned)
+        input_dir = _shared_folder(engine, input_dir, "load_state")
         engine.broadcast(_layout.wait_for_writer(input_dir) if engine.rank == 0 else None)
     if kind == "accelerate":
         log.info("unickpt.accelerate: %s holds no unickpt checkpoint; loading it with Accelerate", input_dir)
