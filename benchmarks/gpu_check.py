@@ -703,7 +703,8 @@ def phase_reuse(ctx: Ctx, budget: Budget) -> dict:
     pinned = (first["host_stats"] or {}).get("allocated_bytes.current")
     ring = first["pool_capacity_bytes"]
     return {"state_bytes": nbytes, "saves": len(rows), "rows": rows,
-            # torch's caching host allocator rounds each pinned block up to a power of two
+            # torch's caching host allocator (it rounds each pinned block up to a power of two); unickpt's
+            # rings are pinned with cudaHostRegister of their exact range, so None / 0 here is expected
             "pinned_bytes_after_first_save": pinned, "pinned_bytes_per_ring_byte": rnd(pinned / ring, 3)
             if pinned and ring else None,
             "allocations_first_save": first["allocations_all_rings"], "allocations_last_save": last["allocations_all_rings"],
