@@ -57,6 +57,8 @@ KNOWN_NOT_PASSING_AT_BASELINE = {
         "skipped: requires a GPU",
 }
 
+ACCEPTED: dict[str, str] = {}  # differences accepted by run_suites.py (test -> reason): none
+
 _PROBE = ("import accelerate\nfrom accelerate import Accelerator\n"
           "raise SystemExit(0 if getattr(Accelerator.save_state, '__unickpt__', False) else 3)")
 
@@ -162,12 +164,14 @@ def run(mode: str, source: str | None = None) -> dict:
     ``UNICKPT_ACCELERATE=1``) on the Accelerate sources in ``source`` (None: download them).
 
     Returns ``{suite_name: {"passed": int, "failed": int, "skipped": int, "errors": int,
-    "failed_tests": [nodeids]}}``."""
+    "failed_tests": [nodeids], "passed_tests": [nodeids]}}`` (``passed_tests`` lets
+    ``run_suites.py`` compare test by test)."""
     source = source or fetch_source()
     results = {}
     for name in SUITES:
         r = run_suite(name, mode, source)
         results[name] = {k: r[k] for k in ("passed", "failed", "skipped", "errors", "failed_tests")}
+        results[name]["passed_tests"] = sorted(n for n, v in r["outcomes"].items() if v == "passed")
     return results
 
 
