@@ -154,7 +154,8 @@ def run_suite(name: str, mode: str, source: str) -> dict:
     if timed_out or not outcomes:
         counts["error"] += 1
         failed.append(f"{name}: {'timed out after %d s' % TIMEOUT_S[name] if timed_out else 'no junit XML'}")
-        sys.stderr.write(output[-6000:])
+    if failed:  # the failures' tracebacks, for the CI log
+        sys.stderr.write(f"--- {mode} {name}: last lines of pytest's output ---\n{output[-12000:]}\n")
     return {"passed": counts["passed"], "failed": counts["failed"], "skipped": counts["skipped"],
             "errors": counts["error"], "failed_tests": failed, "outcomes": outcomes, "seconds": seconds}
 
