@@ -633,3 +633,46 @@ def test_each_process_naming_its_own_folder(tmp_path):
         assert rep["restored"] is True and rep["resumed_batches"] is True
     # the checkpoint is in process 0's folder; process 1's exists, as with Accelerate
     assert reports[0]["listing"] == ["unickpt"] and reports[1]["listing"] == []
+
+
+def test_two_rotations_at_once_delete_only_the_oldest(tmp_path, monkeypatch):
+    # save_state rotates at its return (main thread) and again after the commit (background thread). Run
+    # together, the second one saw the first one's half-deleted folder (metadata.json removed, this live
+    # process's writer record still there) as a save in flight and deleted the next one instead:
+    # Accelerate's test_checkpoint_deletion found checkpoint_9 gone after 11 saves with total_limit=2.
+    import shutil
+    import threading
+
+    from unickpt.accelerate import _layout
+
+    root = str(tmp_path)
+    for n in (8, 9):
+        step = os.path.join(_folder(root, n, "committed"), "unickpt", "step_0")
+        with open(os.path.join(step, ".unickpt-writer"), "w") as f:  # as every save leaves it
+            json.dump({"host": os.uname().nodename, "pid": os.getpid(), "time": 0}, f)
+    f10 = _folder(root, 10, "writing")
+    entered, release, original = threading.Event(), threading.Event(), shutil.rmtree
+
+    def slow_rmtree(path, *args, **kwargs):
+        if path.endswith("checkpoint_8"):
+            entered.set()
+            release.wait(10)
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", slow_rmtree)
+    results = {}
+
+    def rotate(name):
+        results[name] = _layout.rotate(root, 2, keep=f10, in_flight=lambda p: False)
+
+    first = threading.Thread(target=rotate, args=("first",))
+    first.start()
+    assert entered.wait(10)  # the first rotation is deleting checkpoint_8
+    second = threading.Thread(target=rotate, args=("second",))
+    second.start()
+    second.join(0.5)
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert results == {"first": [os.path.join(root, "checkpoint_8")], "second": []}
+    assert [n for n, _ in _layout.checkpoint_folders(root)] == [9, 10]

@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 import time
 
 from unickpt.checkpointer import list_checkpoints
@@ -184,6 +185,14 @@ def rotate(checkpoints_dir: str, total_limit: int, keep: str, in_flight) -> list
     (``metadata.json`` removed), so a half-deleted folder is never loadable. Returns the deleted
     paths, by ``N``.
     """
+    with _rotation_lock:  # one rotation at a time (at save_state's return, and after the commit)
+        return _rotate(checkpoints_dir, total_limit, keep, in_flight)
+
+
+_rotation_lock = threading.Lock()
+
+
+def _rotate(checkpoints_dir: str, total_limit: int, keep: str, in_flight) -> list[str]:
     folders = checkpoint_folders(checkpoints_dir)
     keep = os.path.abspath(keep)
     excess = len(folders) - total_limit
@@ -198,11 +207,15 @@ def rotate(checkpoints_dir: str, total_limit: int, keep: str, in_flight) -> list
         if os.path.abspath(path) == keep or _busy(path, in_flight):
             continue
         root = store_root(path)
-        if os.path.isdir(root):
-            for step, ok in list_checkpoints(root):
-                if ok:
-                    os.remove(os.path.join(root, f"step_{step}", METADATA_FILE))
-        shutil.rmtree(path)
+        try:
+            if os.path.isdir(root):
+                for step, ok in list_checkpoints(root):
+                    if ok:
+                        os.remove(os.path.join(root, f"step_{step}", METADATA_FILE))
+            shutil.rmtree(path)
+        except FileNotFoundError:  # removed meanwhile by someone else: gone all the same
+            if os.path.exists(path):
+                raise
         deleted.append((n, path))
         excess -= 1
     paths = [p for _, p in sorted(deleted)]
