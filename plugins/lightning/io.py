@@ -5,7 +5,8 @@ and on every rank (load). Sharded strategies (``ModelParallelStrategy``,
 ``FSDPStrategy(state_dict_type="sharded")``) bypass ``CheckpointIO``; constructing a
 ``UnickptCheckpointIO`` installs the route that sends them here too (:mod:`._strategies`).
 
-Storage layout, versions and links: :mod:`unickpt.lightning._layout`.
+Storage layout: one file per checkpoint (:mod:`unickpt.lightning._pack`) for full dicts; the pointer
+layout of sharded routes (versions, links): :mod:`unickpt.lightning._layout`.
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ class UnickptCheckpointIO(CheckpointIO):
 
     A file that is not a unickpt pointer (a ``torch.save`` checkpoint from before unickpt was turned
     on) is read as ``TorchCheckpointIO`` reads it. Constructing the plugin also routes
-    ``LightningModule.load_from_checkpoint`` of pointer files to unickpt (:mod:`._strategies`).
+    Lightning's reader ``pl_load`` (``LightningModule.load_from_checkpoint``) of unickpt files to
+    unickpt (:mod:`._strategies`).
 
     Raises (on save/load): TypeError for a DTensor in a full checkpoint dict; ValueError for a
     damaged pointer (naming the field) or a directory; UnsafeObjectError naming the key inside the
@@ -294,8 +296,9 @@ class UnickptCheckpointIO(CheckpointIO):
         ``map_location``: ``None`` (CPU, as Lightning's ``TorchCheckpointIO``), a device or device
         string, or a ``{saved device: device}`` dict. ``weights_only=False`` allows unpickling (see
         ``allow_pickle``). A file that is not a unickpt pointer (a ``torch.save`` checkpoint written
-        before unickpt was turned on) is read as ``TorchCheckpointIO`` would. Raises ValueError for a
-        damaged pointer or a directory, FileNotFoundError if ``path`` does not exist.
+        before unickpt was turned on) is read as ``TorchCheckpointIO`` would. Waits for saves of
+        ``path`` in flight (see :func:`wait_for_saves`). Raises ValueError for a damaged file or
+        pointer or a directory, FileNotFoundError if ``path`` does not exist.
         """
         import torch.distributed as dist
 
