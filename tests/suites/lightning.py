@@ -27,8 +27,11 @@ plugin, async checkpoint, checkpoint connector). Each runs as one pytest subproc
 they are not dependencies of unickpt. Lightning's conftest restores the environment after each
 test but keeps what was set before the session, so ``UNICKPT_LIGHTNING=1`` reaches every Trainer.
 
-``run(mode, source)`` returns ``{suite: {"passed", "failed", "skipped", "errors", "failed_tests"}}``
-(``failed_tests``: node ids of failed and errored tests).
+``run(mode, source)`` returns ``{suite: {"passed", "failed", "skipped", "errors", "failed_tests",
+"passed_tests"}}`` (node ids of failed and errored tests, and of passed ones). ``ACCEPTED`` names the
+tests that cannot pass with unickpt and why (``tests/suites/run_suites.py`` reports them apart).
+The file is named after the framework; import it by path (as ``run_suites.py`` does), not with
+``tests/suites`` on ``sys.path`` in a process that also imports the real ``lightning``.
 """
 from __future__ import annotations
 
@@ -54,7 +57,23 @@ SUITES: dict[str, list[str]] = {
         "tests_pytorch/trainer/connectors/test_checkpoint_connector.py",
     ],
 }
-TEST_DEPS = {"cloudpickle": "cloudpickle", "jsonargparse": "jsonargparse"}  # module -> pip name
+_TORCH_LOAD = ("torch.loads the .ckpt file itself: a unickpt checkpoint is one file, but not a pickle "
+               "(Lightning's reader pl_load and load_from_checkpoint read it)")
+_COUNTS_SAVE = "mocks torch.save and counts its calls: unickpt writes without torch.save"
+# accepted differences: node-id fragments -> why the test cannot pass with unickpt (see docs/lightning.md)
+ACCEPTED: dict[str, str] = {
+    "test_model_checkpoint.py::test_model_checkpoint_on_exception_parametrized": _TORCH_LOAD,
+    "test_model_checkpoint.py::test_model_checkpoint_on_exception_in_other_callbacks": _TORCH_LOAD,
+    "test_model_checkpoint.py::test_model_checkpoint_save_last_checkpoint_contents": _TORCH_LOAD,
+    "test_model_checkpoint.py::test_current_score": _TORCH_LOAD,
+    "test_model_checkpoint.py::test_model_checkpoint_no_extraneous_invocations": _COUNTS_SAVE,
+    "test_checkpoint_callback_frequency.py::test_default_checkpoint_freq": _COUNTS_SAVE,
+    "test_checkpoint_callback_frequency.py::test_top_k": _COUNTS_SAVE,
+    "test_trainer_checkpoint.py::test_trainer_save_checkpoint_storage_options":
+        "mocks TorchCheckpointIO.save_checkpoint and expects its calls (and passes a str as storage_options, "
+        "which unickpt rejects: it takes a dict of fsspec options)",
+}
+TEST_DEPS = {"cloudpickle": "cloudpickle", "jsonargparse": "jsonargparse", "tensorboardX": "tensorboardX"}  # module -> pip
 MODES = ("baseline", "unickpt")
 
 
@@ -110,11 +129,13 @@ def _parse_junit(xml_path: Path) -> dict:
         nodeid = _nodeid(case)
         if rank[kind] >= rank[outcome.get(nodeid, "passed")]:
             outcome[nodeid] = kind
-    out = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failed_tests": []}
+    out = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failed_tests": [], "passed_tests": []}
     for nodeid, kind in outcome.items():
         out[kind] += 1
         if kind in ("failed", "errors"):
             out["failed_tests"].append(nodeid)
+        elif kind == "passed":
+            out["passed_tests"].append(nodeid)
     return out
 
 
@@ -141,7 +162,7 @@ def run_suite(name: str, mode: str, source: str, timeout_s: float | None = None,
         if xml_path.is_file():
             result = _parse_junit(xml_path)
         else:
-            result = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failed_tests": []}
+            result = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failed_tests": [], "passed_tests": []}
             if not timed_out:
                 tail = (getattr(proc, "stdout", "") or "")[-3000:] + (getattr(proc, "stderr", "") or "")[-3000:]
                 result["errors"] += 1
@@ -157,7 +178,7 @@ def run(mode: str, source: str) -> dict:
     ``UNICKPT_LIGHTNING=1``) from the Lightning source tree ``source``.
 
     Returns ``{suite_name: {"passed": int, "failed": int, "skipped": int, "errors": int,
-    "failed_tests": [nodeid, ...]}}``.
+    "failed_tests": [nodeid, ...], "passed_tests": [nodeid, ...]}}``.
     """
     _ensure_test_deps(sys.executable)
     return {name: run_suite(name, mode, source) for name in SUITES}
@@ -173,11 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     _ensure_test_deps(sys.executable)
     result = {name: run_suite(name, args.mode, args.source) for name in (args.suite or SUITES)}
-    for name, r in result.items():
+    for name, r in result.items():  # noqa: B007
         print(f"{name} [{args.mode}]: {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped, "
               f"{r['errors']} errors")
         for t in r["failed_tests"]:
-            print(f"    FAILED {t}")
+            why = next((reason for frag, reason in ACCEPTED.items() if frag in t), None)
+            print(f"    FAILED {t}" + (f"  [accepted with unickpt: {why}]" if why and args.mode == "unickpt" else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
