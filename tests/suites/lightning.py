@@ -20,9 +20,9 @@ Running (from the repository root, with the project's virtual environment)::
 
 Suites: ``lightning-model-checkpoint`` (``checkpointing/test_model_checkpoint.py``) and
 ``lightning-checkpoint-misc`` (callback frequency, torch saving, trainer checkpoint, checkpoint-IO
-plugin, async checkpoint, checkpoint connector). Each runs as one pytest subprocess (cwd
-``SOURCE/tests``, junit XML for per-test outcomes) under a per-suite timeout
-(``UNICKPT_SUITE_TIMEOUT_S``, default 1800 s). Lightning's test-only imports (``cloudpickle``,
+plugin, async checkpoint, checkpoint connector). Each runs as one pytest subprocess (rootdir
+``SOURCE/tests``, cwd a temporary folder, junit XML for per-test outcomes) under a per-suite timeout
+(``UNICKPT_SUITE_TIMEOUT_S``, default 1800 s). Lightning's test-only imports (``cloudpickle``, ``tensorboardX``,
 ``jsonargparse``) are installed into the running interpreter's environment with pip when missing;
 they are not dependencies of unickpt. Lightning's conftest restores the environment after each
 test but keeps what was set before the session, so ``UNICKPT_LIGHTNING=1`` reaches every Trainer.
@@ -153,9 +153,11 @@ def run_suite(name: str, mode: str, source: str, timeout_s: float | None = None,
         xml_path = Path(tmp) / "junit.xml"
         cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-W", "ignore",
                f"--junitxml={xml_path}", "-o", "junit_family=xunit2", "--rootdir", str(tests),
-               f"--basetemp={Path(tmp) / 'pytest'}", *SUITES[name], *(extra_args or [])]
+               f"--basetemp={Path(tmp) / 'pytest'}", *(str(tests / f) for f in SUITES[name]), *(extra_args or [])]
+        work = Path(tmp) / "cwd"  # not the source tree: a logger writing "memory://x" makes a ./memory: folder,
+        work.mkdir()  # which Lightning's conftest reports as an artifact left in its tests folder
         try:
-            proc = subprocess.run(cmd, cwd=tests, env=_env(mode), capture_output=True, text=True, timeout=timeout_s)
+            proc = subprocess.run(cmd, cwd=work, env=_env(mode), capture_output=True, text=True, timeout=timeout_s)
             timed_out = False
         except subprocess.TimeoutExpired as e:
             proc, timed_out = e, True
