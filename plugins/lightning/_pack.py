@@ -321,6 +321,7 @@ class _Pack:
             raise
 
     def pread(self, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset`` of the pack file (fewer at its end)."""
         if self._fd is not None:
             out = bytearray()
             while len(out) < length:
@@ -334,6 +335,7 @@ class _Pack:
             return self._f.read(length)
 
     def close(self) -> None:
+        """Close the file handle."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -369,6 +371,7 @@ class PackFileSystem(AbstractFileSystem):
         return pack, member
 
     def info(self, path: str, **kwargs: Any) -> dict:
+        """fsspec ``info`` of a member (a file) or of a folder of members."""
         pack, member = self._split(path)
         if member in pack.files:
             return {"name": self._strip_protocol(path), "size": pack.files[member][1], "type": "file"}
@@ -377,6 +380,7 @@ class PackFileSystem(AbstractFileSystem):
         raise FileNotFoundError(path)
 
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list:
+        """The members (and member folders) directly under ``path``."""
         pack, member = self._split(path)
         base = self._strip_protocol(path)
         prefix = member + "/" if member else ""
@@ -387,6 +391,7 @@ class PackFileSystem(AbstractFileSystem):
         return out if detail else [o["name"] for o in out]
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        """Bytes ``[start, end)`` of a member (negative values count from its end, as fsspec's)."""
         pack, member = self._split(path)
         if member not in pack.files:
             raise FileNotFoundError(path)
