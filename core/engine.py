@@ -57,7 +57,7 @@ from .errors import CheckpointExistsError, SaveFailedError, UnsafeObjectError
 from .loading import load_checkpoint
 from .merging import P2P
 from .metadata import (METADATA_FILE, WRITER_FILE, CheckpointMetadata, build_metadata, is_incomplete_checkpoint,
-                       writer_alive, writer_record)
+                       writer_alive, writer_is_this_process, writer_record)
 from .pipeline import SaveJob, SaveOptions, SavePipeline
 from .planner import LocalPlan, SavePlan, decode_plans, make_local_plan, make_save_plan
 from .reader import LoadStats
@@ -378,17 +378,21 @@ class Engine:
                 commit.local = local = LocalPlan(rank=self.rank, error=_format_exc(e))
                 local.error_type, local.error_message = type(e).__name__, str(e)
         assert local is not None
-        plan = self._agree_plan(job.path, local, commit.signature, commit.local_error, job.stats, job.options)
-        check = job.options.check_replicas
-        if plan.replicas and self.world_size > 1 and (check == "always" or (check == "first" and
-                                                                              not job.stats.plan_cache_hit)):
-            assert commit.flat is not None
-            leaves = {fqn: commit.clones.get(fqn, commit.flat.tensors[fqn].local)
-                      for fqn, _, ranks in plan.replicas if self.rank in ranks}
-            job.stats.collectives_plan += check_replicas(self.comm, plan.replicas, leaves, full=check == "always")
+        plan = self._agree_plan(job.path, local, commit.signature, commit.local_error, job.stats, job.options,
+                                lambda p, full: self._check_replicas(commit, p, full))
         job.plan = plan
         job.stats.plan_s = time.perf_counter() - t0
         job.stats.bytes_per_rank, job.stats.max_mean_bytes = list(plan.bytes_per_rank), plan.max_mean_bytes
+
+    def _check_replicas(self, commit: _Commit, plan: SavePlan, full: bool) -> None:
+        """Stager thread, before staging: the holders of each replicated chunk hold the same bytes
+        (:mod:`unickpt.replicas`; raises ReplicaMismatchError on every rank)."""
+        if not plan.replicas or self.world_size == 1:
+            return
+        assert commit.flat is not None
+        leaves = {fqn: commit.clones.get(fqn, commit.flat.tensors[fqn].local)
+                  for fqn, _, ranks in plan.replicas if self.rank in ranks}
+        commit.job.stats.collectives_plan += check_replicas(self.comm, plan.replicas, leaves, full=full)
 
     def _prepare_job(self, commit: _Commit) -> None:
         """Stager thread, once planned: the staging ring (waiting if both are draining), the leaves
@@ -444,9 +448,12 @@ class Engine:
         self._hooks = keep
 
     def _agree_plan(self, path: str, local: LocalPlan, signature: str | None, local_error: BaseException | None,
-                    stats: SaveStats, opts: SaveOptions) -> SavePlan:
+                    stats: SaveStats, opts: SaveOptions,
+                    check: Callable[[SavePlan, bool], None] = lambda plan, full: None) -> SavePlan:
         """Agree on the save plan: one fixed-size signature exchange; the full plans are gathered only
-        when this combination of signatures has not been planned before (plan cache).
+        when this combination of signatures has not been planned before (plan cache). ``check(plan,
+        full)`` (the replica check) runs on a miss before the plan is cached, so a layout whose check
+        failed is checked again at its next save, and on every save with ``check_replicas="always"``.
 
         The cache is keyed by every rank's signature and the plan-shaping options, and is filled and
         evicted identically on every rank (same keys in the same order), so all ranks hit or miss
@@ -496,6 +503,8 @@ class Engine:
         if cached is not None:
             self._plan_cache.move_to_end(key)
             stats.plan_cache_hit = True
+            if opts.check_replicas == "always":
+                check(cached, True)
             return cached
         plans = [local]
         if self.world_size > 1:
@@ -512,6 +521,8 @@ class Engine:
             stats.collectives_plan += 2
             plans = decode_plans(blobs, firsts, table_firsts)
         plan = make_save_plan(plans, flat_ranges=opts.flat_ranges, segment_bytes=opts.segment_bytes)
+        if opts.check_replicas != "off":
+            check(plan, opts.check_replicas == "always")
         self._plan_cache[key] = plan
         while len(self._plan_cache) > PLAN_CACHE_SIZE:
             self._plan_cache.popitem(last=False)
@@ -532,7 +543,10 @@ class Engine:
                     f"{path!r} exists and is not a unickpt checkpoint directory (it holds other files); "
                     "refusing to delete it: choose another path"
                 )
-            if writer_alive(storage, path):
+            # this process's own earlier save that failed (none of its engines has it in flight) is a leftover
+            ours = writer_is_this_process(storage, path) and not any(
+                e.in_flight(path, others=int(e is self)) for _, e in _engines_of(None))
+            if writer_alive(storage, path) and not ours:
                 raise CheckpointExistsError(
                     f"{path!r}: another process is saving into it (see {WRITER_FILE}); wait for it or "
                     "choose another step"
@@ -744,6 +758,8 @@ class Engine:
             raise first
 
     def close(self) -> None:
+        """Wait for the pending saves, then stop the threads, free the staging memory and destroy the
+        private groups (no reference to them is kept: torch can then re-initialise on the same store)."""
         try:
             self.wait()
         finally:
@@ -752,6 +768,16 @@ class Engine:
             for pool in self._pools:
                 pool.close()
             self.comm.close()
+            if self._p2p is not None:
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    try:
+                        dist.destroy_process_group(self._p2p.group)
+                    except (ValueError, RuntimeError):  # already gone with the default group
+                        pass
+                self._p2p.group = None
+            self._plan_cache.clear()
 
 
 _ENGINES: dict[Any, Engine] = {}
@@ -787,13 +813,16 @@ def _finish_saves_before_teardown(group: Any) -> BaseException | None:
     return first
 
 
-def _wait_for_saves_at_exit() -> None:
-    """Interpreter exit: every engine's in-flight saves finish (commit or fail) before the process ends."""
-    for _, engine in _engines_of(None):
-        try:
-            engine.wait()
-        except BaseException as e:
-            log.error("unickpt: a save in flight at exit failed: %s", e)
+def _finish_saves_at_exit() -> None:
+    """Interpreter exit: every engine's in-flight saves finish (commit or fail), and the engines'
+    private groups are destroyed, before the interpreter tears the process groups down."""
+    error = _finish_saves_before_teardown(None)
+    if error is not None:
+        log.error("unickpt: a save in flight at exit failed: %s", error)
+
+
+def _destroy_trampoline(group=None):  # its code replaces torch's destroy_process_group's (see below)
+    return _unickpt_destroy_process_group(group)  # noqa: F821 - a global of torch's c10d module
 
 
 def _install_teardown_guard() -> None:
@@ -801,27 +830,35 @@ def _install_teardown_guard() -> None:
     on the group it destroys, then close their engines, before the group goes: a script that ends its
     process group right after an async save (``engine.save_checkpoint(...)``; ``destroy_process_group()``;
     the process ends, however abruptly) keeps that checkpoint. A save that failed is raised from
-    ``destroy_process_group`` after the group is destroyed. Also registers an ``atexit`` wait."""
-    import atexit
+    ``destroy_process_group`` after the group is destroyed. Also registers an ``atexit`` wait.
 
-    import torch.distributed as dist
+    The function object itself is changed (its ``__code__`` becomes a call of the guarded version,
+    which runs a copy of torch's original), so that names bound before unickpt was imported
+    (``from torch.distributed import destroy_process_group``) get the guard too."""
+    import atexit
+    import types
+
     import torch.distributed.distributed_c10d as c10d
 
-    original = c10d.destroy_process_group
-    if getattr(original, "_unickpt_guard", False):
+    target = c10d.destroy_process_group
+    if getattr(target, "_unickpt_guard", False):
         return
+    if target.__code__.co_freevars or "group" not in target.__code__.co_varnames[:1]:
+        raise RuntimeError("unickpt: torch.distributed.destroy_process_group has an unexpected form; "
+                           "call unickpt's handle.wait() before destroying the process group")
+    original = types.FunctionType(target.__code__, target.__globals__, target.__name__, target.__defaults__)
+    original.__kwdefaults__ = target.__kwdefaults__
 
-    def destroy_process_group(group: Any = None) -> None:
+    def guarded(group: Any = None) -> None:
         error = _finish_saves_before_teardown(group)
         original(group)
         if error is not None:
             raise error
 
-    destroy_process_group.__doc__ = original.__doc__
-    destroy_process_group._unickpt_guard = True  # type: ignore[attr-defined]
-    c10d.destroy_process_group = destroy_process_group
-    dist.destroy_process_group = destroy_process_group
-    atexit.register(_wait_for_saves_at_exit)
+    c10d._unickpt_destroy_process_group = guarded
+    target.__code__ = _destroy_trampoline.__code__
+    target._unickpt_guard = True  # type: ignore[attr-defined]
+    atexit.register(_finish_saves_at_exit)
 
 
 def get_engine(process_group: Any = None) -> Engine:

@@ -309,6 +309,15 @@ def writer_record() -> bytes:
     return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
 
 
+def writer_is_this_process(storage: Any, path: str) -> bool:
+    """Whether the writer record of ``path`` names this process (host and pid)."""
+    try:
+        rec = json.loads(storage.read_bytes(storage.join(path, WRITER_FILE)))
+    except (OSError, ValueError):
+        return False
+    return rec.get("host") == socket.gethostname() and rec.get("pid") == os.getpid()
+
+
 def writer_alive(storage: Any, path: str) -> bool:
     """Whether the process that started the save into ``path`` may still be running: its pid is
     alive (same host), or it is on another host and started less than ``WRITER_STALE_S`` ago.

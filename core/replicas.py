@@ -9,8 +9,10 @@ experts numbered from 0 on every rank saved one rank's experts and loaded wrong 
 
 Who does what: on the stager thread, after the plan is agreed and before staging, each holder digests
 its copy of every replicated chunk (``xxh3_64``; ``"first"``: the whole chunk up to
-:data:`SAMPLE_BYTES`, else :data:`SAMPLE_WINDOWS` evenly spaced windows of it and its length, so the
-first save stays cheap; ``"always"``: every byte), then two ``all_reduce`` s (MIN and MAX of one int64
+:data:`SAMPLE_BYTES`, else its length and :data:`SAMPLE_WINDOWS` evenly spaced windows of 64 KiB,
+from its first byte to its last, so the first save stays cheap; a difference between the windows of
+a larger chunk is not seen, which renumbered or diverged weights never are; ``"always"``: every byte).
+The digest is of bytes: ``-0.0`` and ``0.0``, or NaNs of other bit patterns, differ), then two ``all_reduce`` s (MIN and MAX of one int64
 per replicated chunk, in the plan's order; non-holders send the neutral values) on the plan group show
 which chunks differ, whatever the world size. Only then, to name the ranks, one gather (compact JSON, no pickle)
 of the differing chunks' digests. Every rank raises the same :class:`~unickpt.errors.ReplicaMismatchError`.
@@ -53,9 +55,9 @@ def replica_digest(t: torch.Tensor, full: bool = False) -> int:
     if full or n <= SAMPLE_BYTES:
         h.update(memoryview(b.cpu().numpy()))
     else:
-        step = (n - _WINDOW) // (SAMPLE_WINDOWS - 1)
-        for i in range(SAMPLE_WINDOWS):
-            h.update(memoryview(b[i * step: i * step + _WINDOW].cpu().numpy()))
+        for i in range(SAMPLE_WINDOWS):  # the first window starts at byte 0, the last ends at the last byte
+            start = (n - _WINDOW) * i // (SAMPLE_WINDOWS - 1)
+            h.update(memoryview(b[start: start + _WINDOW].cpu().numpy()))
     d = h.intdigest()
     return d - (1 << 64) if d >= 1 << 63 else d
 

@@ -59,8 +59,9 @@ class FlatState:
     skeleton: Any = None  # the expanded tree, encoded, with tensor / per-rank references
     optimizers: list = field(default_factory=list)  # the torch optimizers in the state, in walk order
     appliers: list[Callable[[], None]] = field(default_factory=list)  # load_state_dict calls, inner first
-    containers: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # loads: fqn -> (parent, key) of
-    # every container descended into, so that a saved empty container can replace one (see loading)
+    optimizer_states: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # loads: fqn -> (holder, key)
+    # of each optimizer state dict ({"state", "param_groups"}) with tensors, so that one saved before
+    # its optimizer's first step (``state == {}``) can replace it whole (see loading)
 
 
 _UNTOUCHED = threading.local()
@@ -331,6 +332,8 @@ def _flatten(state: dict, *, for_load: bool, allow_pickle: bool) -> FlatState:
         if expanded is not None:
             sd, load_fn = expanded
             holder = [sd]  # loaded plain values replace holder[0] itself when sd is not a container
+            if for_load and path and isinstance(sd, dict) and sd.keys() == {"state", "param_groups"}:
+                out.optimizer_states[fqn] = (holder, 0)
             enc = walk(sd, path, fqn, holder, 0)
             if for_load:
                 out.appliers.append(lambda h=holder, f=load_fn: f(h[0]))
@@ -341,13 +344,9 @@ def _flatten(state: dict, *, for_load: bool, allow_pickle: bool) -> FlatState:
             return {codec.PER_RANK_REF: fqn}
         prefix = fqn + "." if path else ""
         if isinstance(x, dict) and (not path or _has_special(x)):
-            if for_load and path:
-                out.containers[fqn] = (container, key)
             items = [(k, walk(v, path + (k,), prefix + str(k), x, k)) for k, v in x.items()]
             return _encode_key_dict(x, items)
         if isinstance(x, (list, tuple)) and _has_special(x):
-            if for_load and isinstance(x, list):
-                out.containers[fqn] = (container, key)
             enc = [walk(v, path + (i,), prefix + str(i), x, i) for i, v in enumerate(x)]
             return enc if isinstance(x, list) else {"__tuple__": enc}
         if not path:

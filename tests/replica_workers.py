@@ -68,3 +68,23 @@ def _same_layout(root: str, names_tag: str, dir_tag: str, differ: str, check: st
         return {"error": None, "plan": h.stats.collectives_plan, "hit": h.stats.plan_cache_hit}
     finally:
         engine.options = old
+
+
+def mismatch_then_retry(root: str, tag: str) -> list:
+    """Save a state whose replicated tensor differs on rank 1 twice into one path (both must fail: the
+    failed layout is not cached as checked), then the agreeing state into the same path (the failed
+    save's leftovers are this process's own: replaced), then load it back."""
+    rank = dist.get_rank()
+    path = os.path.join(root, tag)
+    out = []
+    for differ in (True, True, False):
+        state = {f"w{tag}": torch.full((4,), float(rank if differ else 7))}
+        try:
+            unickpt.save(path, state)
+            out.append(None)
+        except unickpt.ReplicaMismatchError as e:
+            out.append(type(e).__name__)
+    back = {f"w{tag}": torch.zeros(4)}
+    unickpt.load(path, back)
+    out.append(back[f"w{tag}"].tolist())
+    return out

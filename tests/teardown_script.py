@@ -13,6 +13,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed import destroy_process_group  # bound before unickpt wraps it: must wait too
 
 import unickpt
 
@@ -31,8 +32,8 @@ def main() -> None:
     handle = unickpt.save(path, state, async_save=True, process_group=group)
     assert not handle.done(), "the save finished inside the call: the test would prove nothing"
     if group is not None:
-        dist.destroy_process_group(group)
-    dist.destroy_process_group()
+        destroy_process_group(group)
+    destroy_process_group()
     os._exit(0)
 
 

@@ -129,7 +129,8 @@ def test_dtensor_boxes_follow_a_rank_change_in_process(tmp_path):
 
 @pytest.mark.parametrize("how", ["world", "group"])
 def test_destroy_process_group_right_after_an_async_save_keeps_it(tmp_path, how):
-    # save(async) -> destroy_process_group() -> os._exit(0): the teardown waits for the save in flight
+    # save(async) -> destroy_process_group() (a name imported before unickpt) -> os._exit(0): the
+    # teardown waits for the save in flight
     import subprocess
     import sys
 
@@ -186,3 +187,12 @@ def test_replica_check_first_save_of_a_layout_or_always(pool, tmp_path):
     for per_rank in always:
         assert [s["error"] for s in per_rank] == [None, None, "ReplicaMismatchError"]
         assert per_rank[1]["plan"] == 3 and per_rank[1]["hit"] is True  # signature exchange + the check
+
+
+def test_replica_mismatch_is_raised_again_and_its_path_can_be_saved_once_fixed(pool, tmp_path):
+    # the failed layout is not remembered as checked (a retry of the same mismatch raises again), and
+    # the failed save's leftovers in the path are this process's own: the fixed state saves there
+    import replica_workers as rw
+
+    out = pool(2).run(rw.mismatch_then_retry, str(tmp_path), "retry")
+    assert out == [["ReplicaMismatchError", "ReplicaMismatchError", None, [7.0] * 4]] * 2

@@ -444,3 +444,34 @@ def test_early_checkpoint_restores_an_empty_optimizer_state(tmp_path):
     sgd = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(unickpt.StateMismatchError, match="exp_avg"):
         unickpt.load(tmp_path / "d", {"model": fresh, "optim": sgd})
+
+
+def test_only_an_unstepped_optimizer_of_the_same_groups_replaces_a_target_state(tmp_path):
+    # the saved empty optimizer state replaces the target's only for an optimizer state dict whose
+    # param groups match: another optimizer class, other groups or any other empty container raise
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    unickpt.save(tmp_path / "sgd", {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)})
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    adam.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(unickpt.StateMismatchError, match=r"missing from the checkpoint: .*optim\.state"):
+        unickpt.load(tmp_path / "sgd", {"model": model, "optim": adam})
+    assert adam.state and all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+    class EMA:  # a stateful object whose saved shadow dict was still empty
+        def __init__(self, shadow):
+            self.shadow = shadow
+
+        def state_dict(self):
+            return {"shadow": self.shadow}
+
+        def load_state_dict(self, sd):
+            self.shadow = sd["shadow"]
+
+    unickpt.save(tmp_path / "ema", {"ema": EMA({}), "plain": {"b": {}}})
+    with pytest.raises(unickpt.StateMismatchError, match=r"'ema\.shadow\.w'"):
+        unickpt.load(tmp_path / "ema", {"ema": EMA({"w": torch.ones(2)}), "plain": {"b": {}}})
+    with pytest.raises(unickpt.StateMismatchError, match=r"'plain\.b\.x'"):
+        unickpt.load(tmp_path / "ema", {"ema": EMA({}), "plain": {"b": {"x": torch.ones(2)}}})
