@@ -130,6 +130,22 @@ def _all_gather(group: Any, obj: Any) -> list:
     return every
 
 
+def _flatten_both(values: dict) -> dict:
+    """``values`` flattened as DCP flattens a state dict now (containers of plain values split per
+    element) and as torch <= 2.3 did (such containers whole): the union of both key sets."""
+    from torch.distributed.checkpoint import _version
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    new = flatten_state_dict(values)[0]
+    before = _version._derived_version
+    _version._derived_version = "2_3"
+    try:
+        old = flatten_state_dict(values)[0]
+    finally:
+        _version._derived_version = before
+    return {**old, **new}
+
+
 def _chunk_key(fqn: str, offsets: Any) -> str:
     return CHUNK_PREFIX + "_".join(str(int(o)) for o in offsets) + "." + fqn
 
@@ -603,11 +619,13 @@ class StorageReader(_DCPReader):
                         storage_meta=StorageMeta(checkpoint_id=self.path, load_id=self.load_id))
 
     def _objects(self) -> dict[str, Any]:
-        """Plain values of a checkpoint written by ``unickpt.save``, decoded (never unpickled) and keyed
-        the way DCP flattens a state dict (``torch.distributed.checkpoint._nested_dict.flatten_state_dict``)."""
+        """Plain values of the checkpoint, decoded (never unpickled) and keyed the way DCP flattens a
+        state dict (``torch.distributed.checkpoint._nested_dict.flatten_state_dict``): both per
+        element (``optim.param_groups.0.lr``, torch >= 2.4) and per container (``optim.param_groups``,
+        the keys of torch <= 2.3). DCP's load planner falls back to the latter whenever the checkpoint
+        has keys the state to load lacks (FSDP1 ranks that hold no element of a parameter), and then
+        needs them (else "Missing key in checkpoint state_dict: optim.param_groups")."""
         if self._plain is None:
-            from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
             from unickpt import codec
             from unickpt.errors import UnsafeObjectError
 
@@ -618,7 +636,7 @@ class StorageReader(_DCPReader):
                     decoded[fqn] = codec.decode(enc, allow_pickle=False, key=fqn)
                 except UnsafeObjectError:
                     continue  # a pickled value: not offered to DCP
-            self._plain = flatten_state_dict(decoded)[0] if decoded else {}
+            self._plain = _flatten_both(decoded) if decoded else {}
         return self._plain
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, rank: int | None = None,
