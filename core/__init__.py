@@ -38,6 +38,7 @@ _EXPORTS = {
     "CheckpointExistsError": ".errors",
     "FormatVersionError": ".errors",
     "StateMismatchError": ".errors",
+    "ReplicaMismatchError": ".errors",
     "IntegrityError": ".errors",
     "PerRankReshardError": ".errors",
     "UnsafeObjectError": ".errors",
@@ -58,8 +59,8 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from .checkpointer import Checkpointer, list_checkpoints
     from .engine import SaveHandle, SaveStats
     from .errors import (CheckpointExistsError, CheckpointNotFoundError, FormatVersionError, IntegrityError,
-                         LoadFailedError, PerRankReshardError, SaveFailedError, StateMismatchError, UnickptError,
-                         UnsafeObjectError)
+                         LoadFailedError, PerRankReshardError, ReplicaMismatchError, SaveFailedError,
+                         StateMismatchError, UnickptError, UnsafeObjectError)
     from .metadata import FORMAT_VERSION, CheckpointMetadata
     from .reader import LoadStats
     from .rng import RNGState

@@ -30,7 +30,8 @@ Save sequence (every rank of the group; the threads are :mod:`unickpt.pipeline`'
 
 A failure anywhere leaves no ``metadata.json``, so the directory is never loaded, and the
 previously committed checkpoints are not touched. :class:`SaveStats` counts each save's
-collectives: ``collectives_plan`` 1 on a plan-cache hit, 3 on a miss; ``collectives_commit`` 3
+collectives: ``collectives_plan`` 1 on a plan-cache hit, 3 on a miss (2 more on a miss when chunks are
+replicated: the replica check of :mod:`unickpt.replicas`); ``collectives_commit`` 3
 (2 for the results' gather as compact JSON, 1 for the status broadcast; 2 more if the commit failed).
 """
 from __future__ import annotations
@@ -60,6 +61,7 @@ from .metadata import (METADATA_FILE, WRITER_FILE, CheckpointMetadata, build_met
 from .pipeline import SaveJob, SaveOptions, SavePipeline
 from .planner import LocalPlan, SavePlan, decode_plans, make_local_plan, make_save_plan
 from .reader import LoadStats
+from .replicas import check_replicas
 from .resharding import gc_paused
 from .staging import StagingPool
 from .state import FlatState, check_leaf_fits, flatten
@@ -377,6 +379,13 @@ class Engine:
                 local.error_type, local.error_message = type(e).__name__, str(e)
         assert local is not None
         plan = self._agree_plan(job.path, local, commit.signature, commit.local_error, job.stats, job.options)
+        check = job.options.check_replicas
+        if plan.replicas and self.world_size > 1 and (check == "always" or (check == "first" and
+                                                                              not job.stats.plan_cache_hit)):
+            assert commit.flat is not None
+            leaves = {fqn: commit.clones.get(fqn, commit.flat.tensors[fqn].local)
+                      for fqn, _, ranks in plan.replicas if self.rank in ranks}
+            job.stats.collectives_plan += check_replicas(self.comm, plan.replicas, leaves, full=check == "always")
         job.plan = plan
         job.stats.plan_s = time.perf_counter() - t0
         job.stats.bytes_per_rank, job.stats.max_mean_bytes = list(plan.bytes_per_rank), plan.max_mean_bytes
@@ -477,7 +486,7 @@ class Engine:
             raise SaveFailedError(path, failures) from local_error
         if any(r[25:33] != rows[0][25:33] for r in rows):
             raise ValueError(f"{path!r}: ranks configured different save options (flat_ranges, segment_bytes, "
-                             f"upload_to, snapshot must agree); this rank has {opts.plan_key()}")
+                             f"upload_to, snapshot, check_replicas must agree); this rank has {opts.plan_key()}")
         differ = [r for r, row in enumerate(rows) if row[17:25] != rows[0][17:25]]
         if differ and self.rank == 0:
             log.warning("unickpt: %s: rank(s) %s have other plain (non-tensor) keys than rank 0; only rank 0's "
@@ -742,6 +751,72 @@ _ENGINES: dict[Any, Engine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
+def _engines_of(group: Any) -> list[tuple[Any, Engine]]:
+    """The engines that ``destroy_process_group(group)`` takes the process group of: every engine for
+    the default group (``None`` / WORLD destroys every group), else the engine of ``group``."""
+    import torch.distributed as dist
+
+    with _ENGINES_LOCK:
+        if group is None or group is dist.group.WORLD:
+            return list(_ENGINES.items())
+        return [(k, e) for k, e in _ENGINES.items() if k is group]
+
+
+def _finish_saves_before_teardown(group: Any) -> BaseException | None:
+    """Wait for the in-flight saves of the engines on ``group`` and close those whose private groups
+    are about to go; returns the first save error not reported yet (None if none)."""
+    first: BaseException | None = None
+    for key, engine in _engines_of(group):
+        try:
+            engine.wait()
+        except BaseException as e:  # the others still finish
+            log.error("unickpt: a save in flight when the process group was destroyed failed: %s", e)
+            first = first or e
+        if engine.comm.distributed:
+            with _ENGINES_LOCK:
+                if _ENGINES.get(key) is engine:
+                    del _ENGINES[key]
+            engine.close()
+    return first
+
+
+def _wait_for_saves_at_exit() -> None:
+    """Interpreter exit: every engine's in-flight saves finish (commit or fail) before the process ends."""
+    for _, engine in _engines_of(None):
+        try:
+            engine.wait()
+        except BaseException as e:
+            log.error("unickpt: a save in flight at exit failed: %s", e)
+
+
+def _install_teardown_guard() -> None:
+    """Make ``torch.distributed.destroy_process_group`` (once per process) wait for the saves in flight
+    on the group it destroys, then close their engines, before the group goes: a script that ends its
+    process group right after an async save (``engine.save_checkpoint(...)``; ``destroy_process_group()``;
+    the process ends, however abruptly) keeps that checkpoint. A save that failed is raised from
+    ``destroy_process_group`` after the group is destroyed. Also registers an ``atexit`` wait."""
+    import atexit
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.destroy_process_group
+    if getattr(original, "_unickpt_guard", False):
+        return
+
+    def destroy_process_group(group: Any = None) -> None:
+        error = _finish_saves_before_teardown(group)
+        original(group)
+        if error is not None:
+            raise error
+
+    destroy_process_group.__doc__ = original.__doc__
+    destroy_process_group._unickpt_guard = True  # type: ignore[attr-defined]
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
+    atexit.register(_wait_for_saves_at_exit)
+
+
 def get_engine(process_group: Any = None) -> Engine:
     """The engine of ``process_group`` (created on first use, collectively). One per group per process.
 
@@ -755,5 +830,6 @@ def get_engine(process_group: Any = None) -> Engine:
         engine = _ENGINES.get(key)
         if engine is None:
             timeout_s = float(os.environ.get("UNICKPT_COLLECTIVE_TIMEOUT_S", "1800"))
+            _install_teardown_guard()
             engine = _ENGINES[key] = Engine(process_group, timeout_s=timeout_s)
         return engine

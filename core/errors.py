@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointExistsError",
     "FormatVersionError",
     "StateMismatchError",
+    "ReplicaMismatchError",
     "IntegrityError",
     "PerRankReshardError",
     "UnsafeObjectError",
@@ -38,6 +39,12 @@ class FormatVersionError(UnickptError, ValueError):
 
 class StateMismatchError(UnickptError, ValueError):
     """The state to load into does not match the checkpoint (missing/unexpected key, shape, dtype)."""
+
+
+class ReplicaMismatchError(StateMismatchError):
+    """Ranks hold different values under the name of a tensor saved as replicated (a plain tensor, a
+    ``Replicate`` DTensor dim, the same shard box on several ranks), so writing it once would lose all
+    but one rank's copy (:mod:`unickpt.replicas`). Raised on every rank of the save."""
 
 
 class IntegrityError(UnickptError, OSError):

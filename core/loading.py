@@ -29,7 +29,7 @@ from .errors import (CheckpointNotFoundError, FormatVersionError, IntegrityError
 from .metadata import ChunkMeta, CheckpointMetadata, TensorMeta, read_metadata
 from .read_plan import Segment, batches, make_read_plan
 from .reader import LoadStats, TargetReads, copy_overlaps, read_ranges, verify_ranges
-from .state import flatten, saved_leaves
+from .state import _has_special, flatten, saved_leaves
 from .storage import Storage
 
 __all__ = ["load_checkpoint", "DEFAULT_READ_BUFFER_BYTES", "DEFAULT_READ_THREADS"]
@@ -65,6 +65,7 @@ def load_checkpoint(comm: Comm, path: str, state: dict, *, strict: bool = True, 
         _, _, saved_objects = saved_leaves(meta.state_tree)
         saved_tensors = set(meta.tensors) | set(meta.aliases)
         saved_per_rank = set(meta.per_rank.get("fqns", []))
+        _take_saved_empty_containers(flat, saved_objects)
         _check_keys(flat, saved_tensors, saved_per_rank, saved_objects, strict, path)
         # Validate and decode everything before the first byte lands in the caller's state, so a
         # mismatch or an unsafe object leaves the state untouched.
@@ -356,6 +357,44 @@ def _check_target(leaf: Any, tmeta: TensorMeta) -> None:
     if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
         raise StateMismatchError(f"{fqn!r}: the tensor to load into is an expanded view (stride 0, "
                                  f"shape {list(t.shape)}, stride {list(t.stride())}); its elements share memory")
+
+
+def _take_saved_empty_containers(flat, saved_objects: dict) -> None:
+    """Where the checkpoint holds a plain value at an fqn where the target has a container of tensors,
+    and every tensor of the target's container lies under a container that is empty in the saved
+    value, the saved value replaces the target's container whole: an optimizer saved before its first
+    step is ``{"state": {}, "param_groups": [...]}``, while the target optimizer's state was initialised
+    by torch to have tensors to load into. Exactly the saved state comes back (``load_state_dict`` of
+    an empty ``state`` empties it again). Any other shape of difference is left to the key check."""
+    for fqn, (container, key) in list(flat.containers.items()):
+        if fqn not in saved_objects or fqn not in flat.containers:  # removed as part of an outer one
+            continue
+        try:
+            value = codec.decode(saved_objects[fqn])
+        except Exception:  # the key check and the object decoding report it
+            continue
+        if not _covered(container[key], value):
+            continue
+        inner = fqn + "."
+        for entries in (flat.tensors, flat.objects, flat.per_rank, flat.aliases, flat.containers):
+            for name in [n for n in entries if n.startswith(inner)]:
+                del entries[name]
+        del flat.containers[fqn]
+        flat.objects[fqn] = (container, key)
+
+
+def _covered(target: Any, saved: Any) -> bool:
+    """True if every tensor / per-rank / stateful leaf of ``target`` lies under a container that is
+    empty in ``saved`` (matched key by key)."""
+    if isinstance(saved, (dict, list)) and not saved and isinstance(target, type(saved)):
+        return True
+    if not _has_special(target):
+        return True
+    if isinstance(target, dict) and isinstance(saved, dict):
+        return all(k in saved and _covered(v, saved[k]) for k, v in target.items())
+    if isinstance(target, list) and isinstance(saved, list) and len(target) == len(saved):
+        return all(_covered(t, v) for t, v in zip(target, saved))
+    return False
 
 
 def _check_keys(flat, saved_tensors: set, saved_per_rank: set, saved_objects: dict, strict: bool, path: str) -> None:

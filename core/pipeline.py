@@ -102,6 +102,10 @@ class SaveOptions:
         upload_options: fsspec storage options of ``upload_to``.
         background_nice: niceness of the drain threads / process (0: none).
         write_block: the writer's largest single write, bytes.
+        check_replicas: compare the holders' copies of every chunk saved as replicated
+            (:mod:`unickpt.replicas`): ``"first"`` (default) a sampled digest on the first save of each
+            layout, ``"always"`` every byte on every save (a debug option; ``UNICKPT_CHECK_REPLICAS=always``
+            sets it), ``"off"`` never. Different copies raise ReplicaMismatchError on every rank.
     """
 
     pool_bytes: int | None = None
@@ -116,12 +120,17 @@ class SaveOptions:
     upload_options: dict | None = None
     background_nice: int = 0
     write_block: int = 16 << 20
+    check_replicas: str | None = None
 
     def validated(self) -> "SaveOptions":
         """A copy with defaults filled in; raises ValueError for a bad value."""
         opts = self
         if opts.pool_bytes is None and os.environ.get("UNICKPT_POOL_BYTES"):
             opts = replace(opts, pool_bytes=int(os.environ["UNICKPT_POOL_BYTES"]))
+        if opts.check_replicas is None:
+            opts = replace(opts, check_replicas=os.environ.get("UNICKPT_CHECK_REPLICAS") or "first")
+        if opts.check_replicas not in ("first", "always", "off"):
+            raise ValueError(f"check_replicas must be 'first', 'always' or 'off', got {opts.check_replicas!r}")
         if opts.flat_ranges not in ("store", "merge"):
             raise ValueError(f"flat_ranges must be 'store' or 'merge', got {opts.flat_ranges!r}")
         if opts.snapshot not in ("sync", "overlap"):
@@ -145,7 +154,7 @@ class SaveOptions:
 
     def plan_key(self) -> tuple:
         """The options every rank must share (they shape the plan or the commit)."""
-        return (self.flat_ranges, self.segment_bytes, self.upload_to, self.snapshot)
+        return (self.flat_ranges, self.segment_bytes, self.upload_to, self.snapshot, self.check_replicas)
 
 
 @dataclass

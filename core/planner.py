@@ -158,6 +158,8 @@ class GlobalPlan:
     tensors: dict[str, tuple[str, tuple[int, ...]]]  # fqn -> (dtype, global shape)
     chunks: list[PlannedChunk]
     aliases: dict[str, str]
+    replicas: list[tuple[str, ChunkSpec, tuple[int, ...]]] = field(default_factory=list)  # (fqn, spec, holders)
+    # of every chunk held by several ranks, in the same order on every rank (unickpt.replicas checks them)
 
     def writes_for(self, rank: int) -> list[PlannedChunk]:
         return [c for c in self.chunks if c.writer == rank]
@@ -301,7 +303,7 @@ def make_global_plan(plans: list[LocalPlan]) -> GlobalPlan:
         load[writer] = load.get(writer, 0) + nbytes
         picker.refresh(writer)
         chunks.append(PlannedChunk(fqn, spec, nbytes, writer))
-    return GlobalPlan(tensors, chunks, aliases)
+    return GlobalPlan(tensors, chunks, aliases, [(fqn, spec, ranks) for _, fqn, spec, ranks in replicated])
 
 
 # ------------------------------------------------------------------------------------------------ #
@@ -373,6 +375,7 @@ class SavePlan:
     merged_tensors: int = 0
     transfers: int = 0
     transfer_bytes: int = 0
+    replicas: tuple = ()  # GlobalPlan.replicas
 
     @property
     def max_mean_bytes(self) -> float:
@@ -494,4 +497,4 @@ def _make_save_plan(plans: list[LocalPlan], flat_ranges: str, segment_bytes: int
     per_rank_fqns = tuple(sorted({f for fqns in {id(p.per_rank_fqns): p.per_rank_fqns for p in plans}.values()
                                   for f in fqns}))
     return SavePlan(gp.tensors, gp.aliases, final, segments, sends, bytes_per_rank, per_rank_fqns, merged_tensors,
-                    index, transfers_bytes)
+                    index, transfers_bytes, tuple(gp.replicas))

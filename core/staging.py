@@ -91,10 +91,16 @@ class StagingPool:
             self.memfd, self._keep, self._tensor = fd, mm, t
         else:
             # No zero-fill: the first copy faults the pages in (filling first would write them
-            # twice); every later save copies into memory that is already resident.
-            raw = torch.empty(want + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
+            # twice); every later save copies into memory that is already resident. Pinned by
+            # cudaHostRegister of exactly this range, not ``pin_memory=True``: torch's caching host
+            # allocator rounds each block up to a power of two (a 17 GB ring would pin 32 GiB) and
+            # keeps freed blocks pinned in its cache (a ring grown from 16 to 32 GiB would hold 48).
+            raw = torch.empty(want + DIRECT_ALIGN, dtype=torch.uint8)
             skip = (-raw.data_ptr()) % DIRECT_ALIGN  # direct I/O wants aligned buffers
             self._keep, self._tensor = raw, raw[skip : skip + want]
+            if pin:
+                _cuda_host_register(self._tensor)
+                self._registered = True
         self.pinned, self.shared = pin, shared
         self.allocations += 1
         return True
@@ -172,7 +178,7 @@ class StagingPool:
 
 
 def _cuda_host_register(t: torch.Tensor) -> None:
-    """Pin existing host memory (a shared ring) for DMA; raises RuntimeError if CUDA refuses."""
+    """Pin existing host memory (a staging ring) for DMA; raises RuntimeError if CUDA refuses."""
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of the {t.numel()}-byte staging ring failed (error {int(err)})")

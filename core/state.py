@@ -18,8 +18,10 @@ joins the keys on its path with ``.``; two paths giving one fqn are an error.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -30,7 +32,8 @@ from . import codec
 from .resharding import Box, ChunkSpec
 from .types import PerRank, Shard
 
-__all__ = ["TensorLeaf", "FlatState", "flatten", "saved_leaves", "dtensor_box", "check_leaf_fits"]
+__all__ = ["TensorLeaf", "FlatState", "flatten", "saved_leaves", "dtensor_box", "check_leaf_fits",
+           "optimizers_untouched"]
 
 
 @dataclass
@@ -56,6 +59,46 @@ class FlatState:
     skeleton: Any = None  # the expanded tree, encoded, with tensor / per-rank references
     optimizers: list = field(default_factory=list)  # the torch optimizers in the state, in walk order
     appliers: list[Callable[[], None]] = field(default_factory=list)  # load_state_dict calls, inner first
+    containers: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # loads: fqn -> (parent, key) of
+    # every container descended into, so that a saved empty container can replace one (see loading)
+
+
+_UNTOUCHED = threading.local()
+
+
+def _install_optim_init_guard() -> None:
+    """Wrap torch's ``state_dict._init_optim_state`` (once per process) so that it does nothing on a
+    thread inside :func:`optimizers_untouched`; elsewhere it runs unchanged."""
+    import torch.distributed.checkpoint.state_dict as torch_sd
+
+    original = torch_sd._init_optim_state
+    if getattr(original, "_unickpt_guard", False):
+        return
+
+    def _init_optim_state(optim: torch.optim.Optimizer) -> None:
+        if getattr(_UNTOUCHED, "depth", 0):
+            return
+        original(optim)
+
+    _init_optim_state._unickpt_guard = True  # type: ignore[attr-defined]
+    torch_sd._init_optim_state = _init_optim_state
+
+
+@contextlib.contextmanager
+def optimizers_untouched():
+    """Within this context, on this thread, torch's ``get_state_dict`` / ``get_optimizer_state_dict``
+    (and code calling ``torch.distributed.checkpoint.state_dict._init_optim_state``) leave an optimizer
+    that has no state yet as it is, instead of running a zero-gradient, lr=0 ``optimizer.step()`` to
+    create its state (which makes Adam's step count 0 -> 1, allocates the moments and marks the step
+    as taken for LR schedulers). Such an optimizer's state dict then has an empty ``state``, exactly
+    what ``optimizer.state_dict()`` gives. Saves run inside it: a save never changes the state it saves.
+    """
+    _install_optim_init_guard()
+    _UNTOUCHED.depth = getattr(_UNTOUCHED, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _UNTOUCHED.depth -= 1
 
 
 def dtensor_box(dt: Any, fqn: str) -> Box:
@@ -122,7 +165,33 @@ def _has_special(x: Any) -> bool:
     return _is_stateful(x)
 
 
+def _is_sharded_tensor(x: Any) -> bool:
+    # no import: without torch.distributed._shard loaded, no ShardedTensor exists
+    mod = sys.modules.get("torch.distributed._shard.sharded_tensor.api")
+    cls = getattr(mod, "ShardedTensor", None) if mod is not None else None
+    return cls is not None and isinstance(x, cls)
+
+
+def sharded_tensor_shard(st: Any, fqn: str) -> Shard:
+    """The :class:`~unickpt.types.Shard` of this rank's part of a ``ShardedTensor`` (what FSDP1's
+    ``SHARDED_STATE_DICT``, and so ``get_state_dict`` of an FSDP1 model, hold): its one local shard as
+    a box at the shard's offsets, or an empty box when this rank holds none. Raises ValueError for
+    several local shards on one rank (a box per rank is what a tensor leaf holds; give each shard as
+    its own :class:`~unickpt.types.Shard` under its own key)."""
+    shape = tuple(st.size())
+    shards = st.local_shards()
+    if len(shards) > 1:
+        raise ValueError(f"{fqn!r}: a ShardedTensor with {len(shards)} local shards on this rank "
+                         "(expected one, as FSDP1 gives); save each shard as its own unickpt.Shard")
+    if not shards:  # this rank holds no element: an empty box
+        empty = torch.empty((0,) + shape[1:] if shape else (0,), dtype=st.dtype)
+        return Shard(empty, shape, offsets=(0,) * len(shape))
+    return Shard(shards[0].tensor, shape, offsets=tuple(int(o) for o in shards[0].metadata.shard_offsets))
+
+
 def _tensor_leaf(fqn: str, x: Any) -> TensorLeaf:
+    if _is_sharded_tensor(x):
+        x = sharded_tensor_shard(x, fqn)
     t = x.tensor if isinstance(x, Shard) else x
     if t.layout != torch.strided or getattr(t, "is_quantized", False):
         raise ValueError(f"{fqn!r}: tensor layout {t.layout}{' (quantized)' if t.is_quantized else ''} is not "
@@ -181,7 +250,18 @@ def flatten(state: dict, *, for_load: bool, allow_pickle: bool = False) -> FlatS
     returned ``appliers`` push the loaded values back into them (call them after the tensors have
     been filled in place). For a save, plain values that only pickle can store raise
     UnsafeObjectError unless ``allow_pickle``. Raises ValueError on an fqn collision or an unsupported leaf.
+
+    A save leaves every optimizer as it is (:func:`optimizers_untouched`: one that has not stepped
+    is saved with an empty ``state``). A load lets torch initialise an empty optimizer's state first,
+    so that its moments exist as tensors to load into (torch's own load path does the same).
     """
+    if not for_load:
+        with optimizers_untouched():
+            return _flatten(state, for_load=False, allow_pickle=allow_pickle)
+    return _flatten(state, for_load=True, allow_pickle=allow_pickle)
+
+
+def _flatten(state: dict, *, for_load: bool, allow_pickle: bool) -> FlatState:
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -261,9 +341,13 @@ def flatten(state: dict, *, for_load: bool, allow_pickle: bool = False) -> FlatS
             return {codec.PER_RANK_REF: fqn}
         prefix = fqn + "." if path else ""
         if isinstance(x, dict) and (not path or _has_special(x)):
+            if for_load and path:
+                out.containers[fqn] = (container, key)
             items = [(k, walk(v, path + (k,), prefix + str(k), x, k)) for k, v in x.items()]
             return _encode_key_dict(x, items)
         if isinstance(x, (list, tuple)) and _has_special(x):
+            if for_load and isinstance(x, list):
+                out.containers[fqn] = (container, key)
             enc = [walk(v, path + (i,), prefix + str(i), x, i) for i, v in enumerate(x)]
             return enc if isinstance(x, list) else {"__tuple__": enc}
         if not path:

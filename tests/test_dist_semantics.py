@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dist_workers as w
+import unickpt
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +125,64 @@ def test_dtensor_boxes_follow_a_rank_change_in_process(tmp_path):
     with DistPool(2, timeout_s=120) as pool:
         results = pool.run(w.save_load_after_rank_change, str(tmp_path), _free_port())
     assert results == [[True, True], [True, True]]
+
+
+@pytest.mark.parametrize("how", ["world", "group"])
+def test_destroy_process_group_right_after_an_async_save_keeps_it(tmp_path, how):
+    # save(async) -> destroy_process_group() -> os._exit(0): the teardown waits for the save in flight
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "ckpt")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          os.path.join(here, "teardown_script.py"), path, how],
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert os.path.exists(os.path.join(path, "metadata.json")), "the checkpoint was lost at teardown"
+    g = torch.Generator().manual_seed(7)
+    state = {"w": torch.zeros(16 << 20), "mine": unickpt.Shard(torch.zeros(4 << 20), (4 << 20,), offsets=(0,)),
+             "step": 0}
+    unickpt.load(path, state)
+    assert torch.equal(state["w"], torch.randn(16 << 20, generator=g))
+    assert torch.equal(state["mine"].tensor, torch.cat([torch.zeros(2 << 20), torch.ones(2 << 20)]))
+    assert state["step"] == 5
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_replicated_tensors_that_differ_across_ranks_are_refused(pool, tmp_path, world):
+    # a plain tensor is saved once (as replicated); different copies must not be lost silently
+    import replica_workers as rw
+
+    tag = f"x{world}"
+    out = pool(world).run(rw.save_replicas, str(tmp_path), tag + "e", "experts", None)
+    for r in out:  # every rank raises the same error, naming the key and which ranks hold what
+        assert r["error"] == "ReplicaMismatchError" and not r["committed"], r
+        assert f"'experts.0.w{tag}e'" in r["message"] and f"shared{tag}e" not in r["message"], r["message"]
+        for rank in range(world):
+            assert f"ranks [{rank}] hold digest" in r["message"], r["message"]
+    assert len({r["message"] for r in out}) == 1
+    out = pool(world).run(rw.save_replicas, str(tmp_path), tag + "b", "bias", None)
+    assert all(f"'bias{tag}b' (ranks {list(range(world - 1))} hold digest" in r["message"] for r in out), out[0]
+    # equal copies: saved; the check costs 2 more plan collectives on the first save of a layout
+    out = pool(world).run(rw.save_replicas, str(tmp_path), tag + "n", "none", None)
+    assert [(r["error"], r["plan"], r["hit"]) for r in out] == [(None, 5, False)] * world
+    out = pool(world).run(rw.save_replicas, str(tmp_path), tag + "o", "experts", "off")
+    assert all(r["error"] is None for r in out)
+
+
+def test_replica_check_first_save_of_a_layout_or_always(pool, tmp_path):
+    # "first" (default): the sampled windows of a 4 MiB tensor include its last bytes, so a change of
+    # its last element is seen; a layout planned before is not checked again; "always" checks every
+    # save, every byte
+    import replica_workers as rw
+
+    out = pool(2).run(rw.save_replicas, str(tmp_path), "t1", "tail", None)
+    assert all(r["error"] == "ReplicaMismatchError" and "'sharedt1'" in r["message"] for r in out)
+    first = pool(2).run(rw.save_twice_then_differ, str(tmp_path), "f", "first")
+    assert [(s["error"], s["hit"]) for s in first[0]] == [(None, False), (None, True), (None, True)]
+    always = pool(2).run(rw.save_twice_then_differ, str(tmp_path), "a", "always")
+    for per_rank in always:
+        assert [s["error"] for s in per_rank] == [None, None, "ReplicaMismatchError"]
+        assert per_rank[1]["plan"] == 3 and per_rank[1]["hit"] is True  # signature exchange + the check

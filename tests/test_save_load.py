@@ -385,3 +385,62 @@ def test_partial_reads_verify_only_the_blocks_they_touch(tmp_path):
     assert tail.sum() == 0  # nothing was copied from the corrupt block
     stats = unickpt.load(tmp_path / "c", {"x": unickpt.Shard(tail, (n,), offsets=(n - 1000,))}, verify=False)
     assert stats.bytes_read == 4000 and stats.blocks_verified == 0
+
+
+def _adam_run(tmp_path, save_at: int | None, steps: int = 3):
+    """A small model trained ``steps`` Adam steps (with a StepLR), saved before step ``save_at``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(optim, 2, gamma=0.5)
+    g = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        if i == save_at:
+            unickpt.save(tmp_path / f"s{i}", {"model": model, "optim": optim, "sched": sched})
+            assert not optim.state, f"the save created optimizer state: {dict(optim.state)}"
+            assert all(p.grad is None for p in model.parameters()), "the save left gradients behind"
+        model(torch.randn(5, 4, generator=g)).pow(2).sum().backward()
+        optim.step()
+        sched.step()
+        optim.zero_grad()
+    return model, optim, sched
+
+
+def test_save_of_an_optimizer_that_never_stepped_leaves_it_as_it_is(tmp_path):
+    # torch's get_state_dict initialises an empty optimizer with a zero-grad, lr=0 step() (Adam's step
+    # 0 -> 1): a run that saved before its first step must train exactly like one that never saved
+    saved_model, saved_optim, _ = _adam_run(tmp_path, save_at=0)
+    plain_model, plain_optim, _ = _adam_run(tmp_path, save_at=None)
+    for (k, a), b in zip(saved_model.state_dict().items(), plain_model.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert [float(s["step"]) for s in saved_optim.state.values()] == [3.0] * 4
+    meta = json.loads((tmp_path / "s0" / "metadata.json").read_text())
+    assert not [k for k in meta["tensors"] if k.startswith("optim.")], "an empty optimizer saved moments"
+
+
+def test_early_checkpoint_restores_an_empty_optimizer_state(tmp_path):
+    # saved before the first step, loaded into the trained optimizer and into a fresh one: both come
+    # back with no state (as optimizer.load_state_dict of the saved state dict gives), weights bitwise
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    unickpt.save(tmp_path / "c", {"model": model, "optim": optim})
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    assert optim.state
+    unickpt.load(tmp_path / "c", {"model": model, "optim": optim})
+    assert dict(optim.state) == {}
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+    fresh = nn.Linear(4, 3)
+    fresh_optim = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    unickpt.load(tmp_path / "c", {"model": fresh, "optim": fresh_optim})
+    assert dict(fresh_optim.state) == {} and all(p.grad is None for p in fresh.parameters())
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in weights.items())
+    # a checkpoint with moments still refuses a target whose state has other keys (no silent skip)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    unickpt.save(tmp_path / "d", {"model": model, "optim": optim})
+    sgd = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(unickpt.StateMismatchError, match="exp_avg"):
+        unickpt.load(tmp_path / "d", {"model": fresh, "optim": sgd})

@@ -221,9 +221,10 @@ def test_save_collectives_are_bounded_and_cached(pool, tmp_path, world):
     results = pool(world).run(sw.save_counting, str(tmp_path), 3)
     for per_rank in results:
         first, *steady = per_rank
-        # a miss: signature exchange + plan gather (lengths, payloads); commit: results (2) + status (1)
-        assert first["counts"] == {"all_gather": 3, "all_reduce": 2, "broadcast": 1}
-        assert (first["plan_cache_hit"], first["collectives_plan"], first["collectives_commit"]) == (False, 3, 3)
+        # a miss: signature exchange + plan gather (lengths, payloads) + the replica check of the one
+        # replicated tensor (MIN and MAX all_reduce); commit: results (2) + status (1)
+        assert first["counts"] == {"all_gather": 3, "all_reduce": 4, "broadcast": 1}
+        assert (first["plan_cache_hit"], first["collectives_plan"], first["collectives_commit"]) == (False, 5, 3)
         for s in steady:  # plan cache: only the fixed-size signature exchange, no plan gather
             assert s["counts"] == {"all_gather": 2, "all_reduce": 1, "broadcast": 1}
             assert (s["plan_cache_hit"], s["collectives_plan"], s["collectives_commit"]) == (True, 1, 3)

@@ -151,8 +151,10 @@ class FlatOptimizerState:
     original parameters; with ``use_orig_params=True`` one per original parameter, and a rank that
     holds no element of a parameter has no state for it (FSDP sets its gradient to None): its keys
     and ``step`` come from the ranks that do, through one ``all_gather_object``.
-    An empty optimizer is initialised first with a zero-gradient, zero-learning-rate step
-    (``torch.distributed.checkpoint.state_dict._init_optim_state``, as ``get_optimizer_state_dict`` does).
+    For a load, an empty optimizer is initialised first with a zero-gradient, zero-learning-rate step
+    (``torch.distributed.checkpoint.state_dict._init_optim_state``, as ``set_optimizer_state_dict``
+    does), so that its moments exist to load into; a save leaves it as it is
+    (:func:`unickpt.state.optimizers_untouched`) and records an empty ``state``.
     """
 
     def __init__(self, model: nn.Module, optim: torch.optim.Optimizer, process_group: Any = None):
@@ -264,6 +266,12 @@ class FlatOptimizerState:
                 raise ValueError(f"optimizer param group {i}: the checkpoint's parameters differ from this optimizer's "
                                  f"(only in checkpoint: {sorted(theirs - mine)[:5]}, only here: {sorted(mine - theirs)[:5]})")
         state = sd["state"]
+        # a parameter the checkpoint has no state for (an optimizer saved before its first step) has none
+        # after the load either, as with ``optimizer.load_state_dict``
+        stateful = {id(self._param(u, s)) for u in units for s in u.slices if s.fqn in state}
+        stateful |= {id(p) for fqn, p in unmanaged_params(self.model, units) if fqn in state}
+        for p in [p for g in self.optim.param_groups for p in g["params"] if id(p) not in stateful]:
+            self.optim.state.pop(p, None)
         for u in units:
             flat_values: dict[str, tuple[str, Any]] = {}
             for s in u.slices:

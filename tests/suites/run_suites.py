@@ -1,0 +1,96 @@
+"""Run the frameworks' own checkpoint test suites, baseline and with unickpt switched on, and print
+the comparison table (the judge of the plugins' drop-in claim).
+
+Each framework's runner is a module beside this one with ``run(mode, source) -> {suite: counts}``
+(``mode``: ``"baseline"``, the framework alone, or ``"unickpt"``, the same tests with unickpt
+switched on as a user would; counts: ``passed``, ``failed``, ``skipped``, ``errors``,
+``failed_tests``):
+
+- ``lightning.py``: Lightning's ``tests/tests_pytorch`` checkpoint tests with ``UNICKPT_LIGHTNING=1``;
+  ``--lightning-src``: a Lightning-AI/pytorch-lightning source tree at the installed version's tag;
+- ``torch_dcp.py``: PyTorch's ``test/distributed/checkpoint`` CPU tests with ``FileSystemWriter/Reader``
+  replaced by ``unickpt.fsdp.StorageWriter/Reader``; ``--torch-src``: a folder holding those files;
+- ``accelerate.py``: Accelerate's ``tests/test_state_checkpointing.py`` and the save/load subset of
+  ``tests/test_accelerator.py`` with ``UNICKPT_ACCELERATE=1``; downloads the accelerate sdist itself
+  unless ``--accelerate-src`` is given (CI runs this one, see ``.ci/run``).
+
+The sources are fetched by the developer and never committed (see each runner's docstring).
+
+    python tests/suites/run_suites.py --lightning-src /tmp/lightning --torch-src /tmp/torch-dcp-tests \\
+        [--accelerate] [--json results.json]
+
+Prints one row per suite: passed at baseline, passed with unickpt, and the tests that pass at baseline
+but not with unickpt. Exit status 1 when there is such a test (an accepted difference is listed by
+the runner in its ``ACCEPTED`` dict with its reason, and reported but not counted as a failure).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _runner(name: str):
+    sys.path.insert(0, HERE)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(HERE)
+
+
+def compare(runner_name: str, source: str | None) -> list[dict]:
+    """Run one framework's suites in both modes; one row per suite."""
+    runner = _runner(runner_name)
+    base, ours = runner.run("baseline", source), runner.run("unickpt", source)
+    accepted = getattr(runner, "ACCEPTED", {})
+    rows = []
+    for suite, b in base.items():
+        u = ours.get(suite, {"passed": 0, "failed_tests": []})
+        lost = sorted(set(b.get("passed_tests", [])) - set(u.get("passed_tests", []))) if "passed_tests" in b \
+            else sorted(set(u.get("failed_tests", [])) - set(b.get("failed_tests", [])))
+        rows.append({"suite": suite, "baseline_passed": b["passed"], "unickpt_passed": u["passed"],
+                     "baseline": b, "unickpt": u,
+                     "regressions": [t for t in lost if not any(t.endswith(a) or a in t for a in accepted)],
+                     "accepted": {t: r for t in lost for a, r in accepted.items() if t.endswith(a) or a in t}})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lightning-src")
+    ap.add_argument("--torch-src")
+    ap.add_argument("--accelerate", action="store_true", help="also run Accelerate's suites")
+    ap.add_argument("--accelerate-src")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    rows: list[dict] = []
+    if args.lightning_src:
+        rows += compare("lightning", args.lightning_src)
+    if args.torch_src:
+        rows += compare("torch_dcp", args.torch_src)
+    if args.accelerate or args.accelerate_src:
+        rows += compare("accelerate", args.accelerate_src)
+    if not rows:
+        ap.error("name at least one suite source")
+    print(f"\n| suite | baseline passed | with unickpt passed | regressions | accepted differences |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['suite']} | {r['baseline_passed']} | {r['unickpt_passed']} | {len(r['regressions'])} | "
+              f"{len(r['accepted'])} |")
+    for r in rows:
+        for t in r["regressions"]:
+            print(f"REGRESSION {r['suite']}: {t}")
+        for t, why in r["accepted"].items():
+            print(f"accepted   {r['suite']}: {t}: {why}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 1 if any(r["regressions"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
