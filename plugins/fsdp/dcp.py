@@ -382,7 +382,8 @@ class StorageWriter(_DCPWriter, AsyncStager):
         for key, lst in items.items():
             if key in chunked:  # each chunk a tensor of its own (a ShardedTensor with several local shards somewhere)
                 for leaf, offsets in lst:
-                    state[_chunk_key(key, offsets)] = leaf.tensor
+                    t = leaf.tensor
+                    state[_chunk_key(key, offsets)] = Shard(t, tuple(t.shape), offsets=(0,) * t.dim())
             else:
                 state[key] = lst[0][0]
         state.update(roots)  # never a tensor's fqn (checked in _exchange)

@@ -10,7 +10,7 @@ pytest plugins; the runner therefore also puts a ``sitecustomize.py`` on the chi
 Swapped names: ``torch.distributed.checkpoint.FileSystemWriter`` / ``FileSystemReader`` (as ``dcp.X``
 and ``from torch.distributed.checkpoint import X``), ``torch.distributed.checkpoint.filesystem.X``,
 the default selection for a ``checkpoint_id`` path (``_storage_utils._storage_setup``) and
-``format_utils``' reader (``dcp_to_torch_save``). The replacements take FileSystemWriter's and
+``format_utils``' writer and reader (``torch_save_to_dcp``, ``dcp_to_torch_save``). The replacements take FileSystemWriter's and
 FileSystemReader's constructor arguments; those that tune DCP's own file layout (``thread_count``,
 ``single_file_per_rank``, ``sync_files``, ``per_thread_copy_ahead``, ``cache_staged_state_dict``,
 ``_extensions``, ``serialization_format``, ``_extension_registry``) have no counterpart in unickpt's
@@ -58,6 +58,7 @@ def install() -> None:
     for mod in (dcp, filesystem, _storage_utils):
         mod.FileSystemWriter = writer
         mod.FileSystemReader = reader
+    format_utils.FileSystemWriter = writer
     format_utils.FileSystemReader = reader
     _INSTALLED = True
 
