@@ -211,3 +211,21 @@ def fsdp1_load(path: str, native: bool) -> dict:
         return {"error": err}
     set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     return {"error": None, "loaded": w.full_state(model, optim)}
+
+
+def async_group_run(path: str) -> dict:
+    """dcp.async_save with a process group given to async_save only: the writer's engine for that
+    group is created on the caller's thread (staging), not first in DCP's save thread."""
+    from unickpt.engine import _ENGINES
+
+    group = dist.new_group(backend="gloo")
+    w = torch.arange(6.0) + 1
+    writer = unickpt.fsdp.StorageWriter(path)
+    fut = dcp.async_save({"w": w, "step": 2}, storage_writer=writer, process_group=group)
+    created_on_caller = group in _ENGINES
+    w.add_(100)  # after staging: must not reach the checkpoint
+    (getattr(fut, "upload_completion", None) or fut).result()
+    writer.close()
+    t = {"w": torch.zeros(6), "step": 0}
+    dcp.load(t, storage_reader=unickpt.fsdp.StorageReader(path), process_group=group)
+    return {"created_on_caller": created_on_caller, "w": t["w"].tolist(), "step": t["step"]}

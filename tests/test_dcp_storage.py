@@ -118,3 +118,9 @@ def test_fsdp1_optimizer_saved_on_2_loaded_on_3(pool, tmp_path):
     pool(2).run(d.fsdp1_save, native, True)
     errors = {r["error"] for r in pool(3).run(d.fsdp1_load, native, True)}
     assert errors == {"CheckpointException: RuntimeError: Missing key in checkpoint state_dict: optim.param_groups."}
+
+
+def test_async_save_group_given_to_async_save_only(pool, tmp_path):
+    res = pool(2).run(d.async_group_run, str(tmp_path / "ckpt"))
+    for r in res:
+        assert r == {"created_on_caller": True, "w": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "step": 2}, r

@@ -77,8 +77,9 @@ def _path(checkpoint_id: Any) -> str:
 
 def _dcp_wrapper() -> Any:
     """The ``_DistWrapper`` of the ``dcp.save`` / ``dcp.load`` call this method runs in (its process
-    group, and whether it is distributed at all: ``no_dist``), found in the calling frames; None when
-    the writer or reader is driven directly."""
+    group, and whether it is distributed at all: ``no_dist``), found in the calling frames (for
+    ``dcp.async_save``'s staging, its ``process_group`` and ``no_dist`` arguments); None when the
+    writer or reader is driven directly."""
     import inspect
 
     from torch.distributed.checkpoint.utils import _DistWrapper
@@ -92,6 +93,13 @@ def _dcp_wrapper() -> Any:
             w = f.f_locals.get("distW")
             if isinstance(w, _DistWrapper):
                 return w
+            if f.f_code.co_name == "async_save" and f.f_globals.get("__name__", "").endswith("state_dict_saver"):
+                # staging (AsyncStager.stage) runs before async_save builds its _DistWrapper
+                import types
+
+                loc = f.f_locals
+                no_dist = bool(loc.get("no_dist", False))
+                return types.SimpleNamespace(group=loc.get("process_group"), use_dist=not no_dist)
             f = f.f_back
         return None
     finally:
