@@ -678,7 +678,14 @@ class Engine:
             return None
         rel = f"objects/rank_{self.rank}.json"
         storage = job.storage
-        storage.makedirs(storage.join(job.path, "objects"))
+        objects = storage.join(job.path, "objects")
+        if storage.is_local:  # mkdir, not makedirs: a save directory removed meanwhile is not brought back
+            try:
+                os.mkdir(storage.strip(objects))
+            except FileExistsError:
+                pass
+        else:
+            storage.makedirs(objects)
         job.stats.bytes_written += storage.write_file(storage.join(job.path, rel), [commit.per_rank_blob])
         if job.options.upload_to is not None:
             try:

@@ -11,22 +11,28 @@ Layout (Accelerate's own naming is kept, so users and tools that know ``checkpoi
 With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` the folders are
 ``<project_dir>/checkpoints/checkpoint_<N>``. Accelerate deletes the oldest folders beyond
 ``total_limit`` *before* a save (so a failing save can leave no checkpoint at all); here rotation runs
-on group rank 0 *after* the new checkpoint committed, and never deletes the folder just committed nor
-one that a save still in flight (this process or a live writer) is writing into.
+on group rank 0 when ``save_state`` returns (the previous checkpoint has committed by then and is kept;
+with ``total_limit=1`` that save waits for its own commit first) and again after each commit, and
+never deletes the folder being saved nor one that a save still in flight (this process or a live
+writer) is writing into.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import shutil
+import socket
+import threading
+import time
 
 from unickpt.checkpointer import list_checkpoints
-from unickpt.metadata import METADATA_FILE, writer_alive
+from unickpt.metadata import METADATA_FILE, WRITER_FILE, writer_alive
 from unickpt.storage import Storage
 
 __all__ = ["STORE_DIR", "store_root", "is_unickpt_folder", "folder_kind", "committed", "checkpoint_folders",
-           "newest_number", "newest_loadable", "rotate", "remove_failed", "next_step"]
+           "newest_number", "newest_loadable", "rotate", "remove_failed", "next_step", "wait_for_writer"]
 
 log = logging.getLogger("unickpt.accelerate")
 
@@ -89,14 +95,51 @@ def newest_number(checkpoints_dir: str) -> int | None:
     return folders[-1][0] if folders else None
 
 
+def _writer_on_this_host(output_dir: str) -> bool:
+    """True when another live process of this host is saving into ``output_dir``'s unickpt root (per
+    the writer record of an uncommitted ``step_<K>``)."""
+    root = store_root(output_dir)
+    for step, ok in (list_checkpoints(root) if os.path.isdir(root) else []):
+        if ok:
+            continue
+        try:
+            with open(os.path.join(root, f"step_{step}", WRITER_FILE)) as f:
+                rec = json.load(f)
+            pid = int(rec["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if rec.get("host") != socket.gethostname() or pid == os.getpid():
+            continue  # this process's own saves are waited for by its engine
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        except PermissionError:
+            pass
+        return True
+    return False
+
+
+def wait_for_writer(output_dir: str, timeout_s: float = 1800.0) -> bool:
+    """Wait while another process on this host is still saving into ``output_dir`` and nothing there
+    has committed yet (with Accelerate a checkpoint is on disk when the saving process's ``save_state``
+    returns; here that process may still be writing it). Returns whether ``output_dir`` now holds a
+    committed save. A writer on another host is not waited for (its liveness cannot be checked)."""
+    deadline = time.monotonic() + timeout_s
+    while not committed(output_dir) and _writer_on_this_host(output_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return committed(output_dir)
+
+
 def newest_loadable(checkpoints_dir: str) -> str | None:
     """The newest ``checkpoint_<N>`` folder that can be loaded: its unickpt root has a committed
-    save, or it holds a checkpoint Accelerate wrote itself. Folders whose unickpt save never
-    committed (a crash, or a save still running elsewhere) and folders holding neither (a save
+    save, or it holds a checkpoint Accelerate wrote itself. A save that another process of this host
+    is still writing is waited for (:func:`wait_for_writer`). Folders whose unickpt save never
+    committed (a crash, or a save still running on another host) and folders holding neither (a save
     killed before it started writing) are skipped with a warning."""
     for _, path in reversed(checkpoint_folders(checkpoints_dir)):
         kind = folder_kind(path)
-        if kind == "accelerate" or (kind == "unickpt" and committed(path)):
+        if kind == "accelerate" or (kind == "unickpt" and wait_for_writer(path)):
             return path
         log.warning("unickpt.accelerate: skipping %s: %s", path,
                     "its unickpt checkpoint is not committed" if kind == "unickpt" else "it holds no checkpoint")
@@ -142,6 +185,14 @@ def rotate(checkpoints_dir: str, total_limit: int, keep: str, in_flight) -> list
     (``metadata.json`` removed), so a half-deleted folder is never loadable. Returns the deleted
     paths, by ``N``.
     """
+    with _rotation_lock:  # one rotation at a time (at save_state's return, and after the commit)
+        return _rotate(checkpoints_dir, total_limit, keep, in_flight)
+
+
+_rotation_lock = threading.Lock()
+
+
+def _rotate(checkpoints_dir: str, total_limit: int, keep: str, in_flight) -> list[str]:
     folders = checkpoint_folders(checkpoints_dir)
     keep = os.path.abspath(keep)
     excess = len(folders) - total_limit
@@ -156,11 +207,15 @@ def rotate(checkpoints_dir: str, total_limit: int, keep: str, in_flight) -> list
         if os.path.abspath(path) == keep or _busy(path, in_flight):
             continue
         root = store_root(path)
-        if os.path.isdir(root):
-            for step, ok in list_checkpoints(root):
-                if ok:
-                    os.remove(os.path.join(root, f"step_{step}", METADATA_FILE))
-        shutil.rmtree(path)
+        try:
+            if os.path.isdir(root):
+                for step, ok in list_checkpoints(root):
+                    if ok:
+                        os.remove(os.path.join(root, f"step_{step}", METADATA_FILE))
+            shutil.rmtree(path)
+        except FileNotFoundError:  # removed meanwhile by someone else: gone all the same
+            if os.path.exists(path):
+                raise
         deleted.append((n, path))
         excess -= 1
     paths = [p for _, p in sorted(deleted)]

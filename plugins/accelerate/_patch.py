@@ -19,6 +19,7 @@ import atexit
 import functools
 import logging
 import os
+import shutil
 import threading
 import time
 import weakref
@@ -91,15 +92,88 @@ def disable(accelerator: Any = None) -> None:
 
 def wait() -> None:
     """Block until every pending unickpt save of this process (default group) has committed;
-    raise the first failure not yet raised."""
+    raise the first failure not yet raised. A save whose Accelerate folder was removed while it was
+    being written (by the user, after ``save_state`` returned) is not an error: its target is gone,
+    and it is reported as a warning (see :func:`_wait_tracked`)."""
     import torch.distributed as dist
 
     from unickpt.engine import _ENGINES
 
+    _wait_tracked()
     key = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     engine = _ENGINES.get(key)
     if engine is not None:
         engine.wait()
+
+
+# -- saves in flight: removal waits for them, and a removed target is not a later error ---------------
+_tracked: list[tuple[Any, str]] = []  # (SaveHandle, Accelerate folder) of async saves not yet waited for
+
+
+def _track(handle: Any, folder: str) -> None:
+    with _lock:  # emptied by the next save_state / load_state / wait()
+        _tracked.append((handle, os.path.abspath(folder)))
+
+
+def _target_removed(handle: Any, folder: str) -> bool:
+    """True when the save's Accelerate folder, its unickpt root or the save's own directory is gone."""
+    return not os.path.isdir(handle.path) or not os.path.isdir(_layout.store_root(folder))
+
+
+def _wait_tracked() -> None:
+    """Wait for this process's pending ``save_state`` saves; raise the first failure, unless the save's
+    folder was removed while it was being written: then the save's target no longer exists, and the
+    failure (files could not be written or committed into a deleted folder) is logged as a warning,
+    not raised into a later, unrelated ``save_state`` / ``load_state``."""
+    with _lock:
+        pending, _tracked[:] = list(_tracked), []
+    first: BaseException | None = None
+    for handle, folder in pending:
+        try:
+            handle.wait()
+        except BaseException as e:  # keep waiting for the rest
+            if isinstance(e, Exception) and _target_removed(handle, folder):
+                log.warning("unickpt.accelerate: the save into %s did not complete: the folder was removed while "
+                            "the save was being written (%s)", folder, str(e).splitlines()[0])
+            else:
+                first = first or e
+    if first is not None:
+        raise first
+
+
+def _overlaps(removed: str, save_dir: str) -> bool:
+    return save_dir == removed or save_dir.startswith(removed + os.sep) or removed.startswith(save_dir + os.sep)
+
+
+def _wait_for_saves_under(path: Any) -> None:
+    """Block until no save of this process still writes inside ``path`` (or into a folder ``path`` is
+    inside). Errors are not raised here: they are the save's, reported by the next wait."""
+    try:
+        removed = os.path.abspath(os.fsdecode(os.fspath(path)))
+    except TypeError:  # a file descriptor, or something that is no path
+        return
+    with _lock:
+        busy = [h for h, _ in _tracked if not h.done() and _overlaps(removed, os.path.abspath(h.path))]
+    for handle in busy:
+        while not handle.done():
+            time.sleep(0.005)
+
+
+_rmtree = shutil.rmtree
+
+
+@functools.wraps(_rmtree)
+def _rmtree_after_saves(path: Any, *args: Any, **kwargs: Any) -> Any:
+    """``shutil.rmtree`` that first waits for this process's saves in flight inside ``path``.
+
+    With Accelerate a checkpoint is complete when ``save_state`` returns, so removing its folder (or
+    the project directory, or a ``tempfile.TemporaryDirectory`` around it) right afterwards removes
+    the whole checkpoint. An asynchronous unickpt save still writes there; without waiting, the
+    removal would race the writer (``Directory not empty``, or a folder brought back by the writer).
+    Paths that hold no save in flight are removed at once."""
+    if _tracked:
+        _wait_for_saves_under(path)
+    return _rmtree(path, *args, **kwargs)
 
 
 class _FolderCheckpointer(Checkpointer):
@@ -139,6 +213,21 @@ def _output_dir(acc: Any, output_dir: str | None) -> str:
     return output_dir
 
 
+def _shared_folder(engine: Any, folder: str, call: str) -> str:
+    """Process 0's folder, on every process (collective). A unickpt checkpoint is one collective
+    object, so when the processes name different folders (each one its own
+    ``tempfile.TemporaryDirectory()``, which Accelerate tolerates: every process writes its own files
+    into its own folder) all of them use process 0's; theirs still exist, as with Accelerate."""
+    if engine.world_size <= 1:
+        return folder
+    mine = os.path.abspath(folder)
+    shared = engine.broadcast(mine if engine.rank == 0 else None)
+    if shared != mine:
+        log.info("unickpt.accelerate: %s: this process's folder %s is not process 0's; the checkpoint is in %s",
+                 call, mine, shared)
+    return shared
+
+
 def _kept(original: list, after_hooks: list) -> list[int]:
     """Indices of ``original`` whose object is still in ``after_hooks`` (identity)."""
     ids = {id(x) for x in after_hooks}
@@ -153,8 +242,9 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
         log.warning("unickpt.accelerate: save_state ignores %s (arguments for DeepSpeed's save_checkpoint)",
                     sorted(kwargs))
     engine = get_engine()
+    _wait_tracked()
     engine.wait()  # the previous save commits (or raises) before this one starts
-    output_dir = _output_dir(acc, output_dir)
+    output_dir = _shared_folder(engine, _output_dir(acc, output_dir), "save_state")
 
     models = list(acc._models)
     indices = list(range(len(models)))
@@ -179,7 +269,9 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
         state = build_state(acc, indices, opts, saving=True)  # collective on several processes
         step = engine.broadcast(_layout.next_step(output_dir) if engine.rank == 0 else None)
         with process0_buffers(acc, indices):  # the snapshot is taken when save() returns
-            ckpt.save(step, state, async_save=opts.async_save)
+            handle = ckpt.save(step, state, async_save=opts.async_save)
+        if after is not None:
+            _rotate_at_return(engine, handle, checkpoints_dir, limit, output_dir)
     except BaseException as e:
         if acc.project_configuration.automatic_checkpoint_naming:
             _remove_failed(engine, output_dir, step, e)  # so that the next save_state can use this iteration
@@ -188,8 +280,27 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
                 f"{e} (unickpt.accelerate: allow pickling with save_state(..., safe_serialization=False), "
                 "unickpt.accelerate.enable(allow_pickle=True) or UNICKPT_ACCELERATE_ALLOW_PICKLE=1)") from e
         raise
+    if not handle.done():
+        _track(handle, output_dir)
     acc.project_configuration.iteration += 1
     return Path(output_dir)
+
+
+def _rotate_at_return(engine: Any, handle: Any, checkpoints_dir: str, limit: int, output_dir: str) -> None:
+    """``total_limit`` as Accelerate shows it: when ``save_state`` returns, the folders beyond the limit
+    are gone. Accelerate deletes them before it saves; here the previous checkpoint has committed (the
+    save waited for it), so with ``total_limit >= 2`` group rank 0 deletes the oldest folders now,
+    keeping the new one and at least one committed checkpoint. With ``total_limit=1`` the only other
+    folder is the last committed checkpoint: this save waits for its own commit, after which rotation
+    deletes the previous folder, so a failing save never leaves no checkpoint."""
+    if limit >= 2:
+        if engine.rank == 0:
+            _layout.rotate(checkpoints_dir, limit, output_dir, engine.in_flight)
+        return
+    others = [p for _, p in _layout.checkpoint_folders(checkpoints_dir)
+              if os.path.abspath(p) != os.path.abspath(output_dir)]
+    if others and not handle.done():
+        handle.wait()  # raises the save's failure here, at the call (the folder is then removed)
 
 
 def _remove_failed(engine: Any, output_dir: str, step: int | None, error: BaseException) -> None:
@@ -247,6 +358,7 @@ def _load_state(acc: Any, opts: Options, input_dir: str | None, load_kwargs: dic
     from accelerate.utils import DistributedType
 
     engine = get_engine()
+    _wait_tracked()
     engine.wait()  # a pending save commits first: it may be the one being loaded
     input_dir = _input_dir(acc, input_dir, engine)
     kind = engine.broadcast(_layout.folder_kind(input_dir) if engine.rank == 0 else None)
@@ -254,6 +366,9 @@ def _load_state(acc: Any, opts: Options, input_dir: str | None, load_kwargs: dic
         raise unickpt.CheckpointNotFoundError(
             f"load_state: {input_dir!r} is not a checkpoint: it holds neither a unickpt/ folder nor the files of "
             "Accelerate's own save_state (random_states_<r>.pkl, ...)")
+    if kind == "unickpt":  # another process of this host may still be writing it (its save_state returned)
+        input_dir = _shared_folder(engine, input_dir, "load_state")
+        engine.broadcast(_layout.wait_for_writer(input_dir) if engine.rank == 0 else None)
     if kind == "accelerate":
         log.info("unickpt.accelerate: %s holds no unickpt checkpoint; loading it with Accelerate", input_dir)
         result = _originals["load_state"](acc, input_dir, load_kwargs=load_kwargs, **kwargs)
@@ -344,4 +459,5 @@ def patch_accelerate() -> None:
         for fn in (save_state, load_state, end_training):
             fn.__unickpt__ = True  # type: ignore[attr-defined]
         Accelerator.save_state, Accelerator.load_state, Accelerator.end_training = save_state, load_state, end_training
+        shutil.rmtree = _rmtree_after_saves  # removing a folder right after save_state removes the whole checkpoint
         atexit.register(_wait_quietly)

@@ -263,9 +263,9 @@ def build_state(accelerator: Any, model_indices: list[int], options: Options, sa
     for i in model_indices:
         model = all_models[i]
         if fsdp and _is_fsdp1(model):
-            import unickpt.fsdp
+            from unickpt import fsdp as unickpt_fsdp  # not `import unickpt.fsdp`: that makes `unickpt` local here
 
-            models[str(i)] = unickpt.fsdp.model_state(model)
+            models[str(i)] = unickpt_fsdp.model_state(model)
         else:
             models[str(i)] = model
     saved_models = [all_models[i] for i in model_indices]
@@ -275,9 +275,9 @@ def build_state(accelerator: Any, model_indices: list[int], options: Options, sa
         inner = getattr(opt, "optimizer", opt)
         owner = _owner(inner, all_models)
         if owner is not None and fsdp and _is_fsdp1(owner):
-            import unickpt.fsdp
+            from unickpt import fsdp as unickpt_fsdp
 
-            optimizers[str(i)] = unickpt.fsdp.optimizer_state(owner, inner)
+            optimizers[str(i)] = unickpt_fsdp.optimizer_state(owner, inner)
         elif owner is not None and any(owner is m for m in saved_models):
             optimizers[str(i)] = inner  # the core pairs it with its model (and guards it in overlap snapshots)
         else:

@@ -11,7 +11,8 @@ or, with no code change, ``UNICKPT_LIGHTNING=1 python train.py`` (Lightning's
 
 Modules: :mod:`.io` (the ``CheckpointIO``), :mod:`._strategies` (the route for sharded strategies,
 which bypass ``CheckpointIO``, and DeepSpeedStrategy), :mod:`._tree` (the checkpoint dict kept
-exactly), :mod:`._layout` (pointer files and versions on storage), :mod:`._callback` and
+exactly), :mod:`._pack` (one file per full-dict checkpoint), :mod:`._layout` (pointer files and
+versions of the sharded routes), :mod:`._callback` and
 :mod:`._activate` (zero-code activation). See ``docs/lightning.md``.
 """
 from __future__ import annotations

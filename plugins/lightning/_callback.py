@@ -24,8 +24,8 @@ def io_from_env() -> Any:
 def adopt(strategy: Any) -> bool:
     """Make ``strategy`` use unickpt, unless the user chose a CheckpointIO of their own.
 
-    Replaces no IO / ``TorchCheckpointIO`` / ``AsyncCheckpointIO`` around either (unickpt saves
-    asynchronously itself). Returns True if the strategy now uses unickpt. A Fabric strategy that
+    Replaces no IO / ``TorchCheckpointIO``; inside a user's ``AsyncCheckpointIO`` (with no IO or
+    ``TorchCheckpointIO`` under it) it replaces the inner IO and keeps the wrapper. Returns True if the strategy now uses unickpt. A Fabric strategy that
     refuses a CheckpointIO (Fabric's FSDP and ModelParallel raise NotImplementedError) is left
     as it is (False, with a warning).
     """
@@ -37,11 +37,19 @@ def adopt(strategy: Any) -> bool:
     if unickpt_io(strategy) is not None:
         return True
     current = getattr(strategy, "_checkpoint_io", None)
-    inner = getattr(current, "_checkpoint_io", None) if isinstance(current, AsyncCheckpointIO) else current
-    if not (current is None or type(current) is AsyncCheckpointIO or type(current) is TorchCheckpointIO) or \
-            not (inner is None or type(inner) is TorchCheckpointIO):
+    if isinstance(current, AsyncCheckpointIO) and type(current) is AsyncCheckpointIO:
+        inner = current.checkpoint_io
+        if inner is None or type(inner) is TorchCheckpointIO:
+            # the user's AsyncCheckpointIO stays (its thread calls ours); unickpt replaces the torch.save under it
+            current._checkpoint_io = io_from_env()
+            current._base_checkpoint_io_configured = True
+            return True
         log.warning("UNICKPT_LIGHTNING=1: %s has a custom CheckpointIO (%s); leaving it in place",
                     type(strategy).__name__, type(inner).__name__)
+        return False
+    if not (current is None or type(current) is TorchCheckpointIO):
+        log.warning("UNICKPT_LIGHTNING=1: %s has a custom CheckpointIO (%s); leaving it in place",
+                    type(strategy).__name__, type(current).__name__)
         return False
     try:
         strategy.checkpoint_io = io_from_env()
@@ -54,7 +62,16 @@ def adopt(strategy: Any) -> bool:
 
 class UnickptCallback(Callback):
     """Trainer callback: at ``setup`` (before any checkpoint is restored or saved) switch the
-    strategy to :class:`~unickpt.lightning.UnickptCheckpointIO`. Stores no state."""
+    strategy to :class:`~unickpt.lightning.UnickptCheckpointIO`. Stores no state.
+
+    Creating it installs the routes of :func:`unickpt.lightning._strategies.install` in this process
+    (Lightning's ``pl_load`` reads unickpt files; a ``ddp_spawn`` main process switches its strategy
+    before launching the workers)."""
+
+    def __init__(self) -> None:
+        from ._strategies import install
+
+        install()
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         adopt(trainer.strategy)

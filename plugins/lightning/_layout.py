@@ -1,4 +1,5 @@
-"""Where a Lightning checkpoint lives on storage.
+"""The pointer layout: where a *sharded-route* Lightning checkpoint lives on storage (and where
+full-dict checkpoints lived before :mod:`._pack`; those are still read).
 
 Lightning names checkpoints by path (``.../epoch=3-step=400.ckpt``, ``last.ckpt``) and overwrites
 ``last.ckpt`` in place. A unickpt checkpoint is a directory that is never modified after its

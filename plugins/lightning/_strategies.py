@@ -25,6 +25,7 @@ import contextlib
 import functools
 import logging
 import os
+import types
 from typing import Any
 
 import torch
@@ -36,7 +37,8 @@ from . import _layout
 from ._layout import Pointer
 from ._tree import join, split
 
-__all__ = ["install", "unickpt_io", "save_sharded", "load_sharded", "deepspeed_config"]
+__all__ = ["install", "unickpt_io", "save_sharded", "load_sharded", "deepspeed_config", "is_unickpt_file",
+           "original_pl_load"]
 
 log = logging.getLogger("unickpt.lightning")
 
@@ -78,34 +80,134 @@ def install() -> None:
             cls.load_checkpoint = _wrap_load(cls.load_checkpoint)
     if not getattr(DeepSpeedStrategy.setup, _MARK, False):
         DeepSpeedStrategy.setup = _wrap_deepspeed_setup(DeepSpeedStrategy.setup)
-    import lightning.pytorch.core.saving as saving
+    _install_pl_load()
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
-    if not getattr(saving.pl_load, _MARK, False):
-        saving.pl_load = _wrap_pl_load(saving.pl_load)
+    if not getattr(_MultiProcessingLauncher.launch, _MARK, False):
+        _MultiProcessingLauncher.launch = _wrap_launch(_MultiProcessingLauncher.launch)
+    from lightning.pytorch import Trainer
+
+    if not getattr(Trainer._run, _MARK, False):
+        Trainer._run = _wrap_run(Trainer._run)
+
+
+def _wrap_run(original: Any) -> Any:
+    """Count ``Trainer._run`` calls in progress: saves inside a run are asynchronous, saves outside
+    one complete before they return (see ``UnickptCheckpointIO.save_checkpoint``)."""
+    @functools.wraps(original)
+    def _run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from .io import _run_ended, _run_started
+
+        _run_started()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _run_ended()
+
+    setattr(_run, _MARK, True)
+    return _run
+
+
+_ORIGINAL_PL_LOAD: list = []
+_TRAMPOLINE = (
+    "def _load(path_or_url, map_location=None, weights_only=None):\n"
+    "    return _unickpt_pl_load(path_or_url, map_location=map_location, weights_only=weights_only)\n"
+)
+
+
+def original_pl_load() -> Any:
+    """Lightning's own ``lightning.fabric.utilities.cloud_io._load`` (its behaviour before
+    :func:`install`)."""
+    if not _ORIGINAL_PL_LOAD:
+        import lightning.fabric.utilities.cloud_io as cloud_io
+
+        fn = cloud_io._load
+        copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        copy.__kwdefaults__, copy.__doc__ = fn.__kwdefaults__, fn.__doc__
+        _ORIGINAL_PL_LOAD.append(copy)
+    return _ORIGINAL_PL_LOAD[0]
+
+
+def _install_pl_load() -> None:
+    """Route Lightning's checkpoint reader ``lightning.fabric.utilities.cloud_io._load`` (``pl_load``:
+    ``TorchCheckpointIO``, ``LightningModule.load_from_checkpoint``, and users, who import it by
+    name) to unickpt for unickpt files. The function object itself is redirected (its code becomes a
+    call of :func:`_wrap_pl_load`'s reader), so every reference to it, taken before or after, reads
+    unickpt checkpoints; other paths and file objects run Lightning's original code."""
+    import lightning.fabric.utilities.cloud_io as cloud_io
+
+    fn = cloud_io._load
+    if getattr(fn, _MARK, False):
+        return
+    original = original_pl_load()
+    cloud_io._unickpt_pl_load = _wrap_pl_load(original)
+    namespace: dict = {}
+    exec(_TRAMPOLINE, {}, namespace)  # noqa: S102 - a fixed two-line trampoline
+    fn.__code__ = namespace["_load"].__code__
+    setattr(fn, _MARK, True)
+
+
+def _wrap_launch(original: Any) -> Any:
+    """``ddp_spawn`` / ``ddp_fork``: the launcher's main process reads (and removes) the weights its
+    worker saved (``_MultiProcessingLauncher._recover_results_in_main_process``) with the
+    strategy's ``checkpoint_io``; the zero-code callback switches the workers' strategy only (its
+    ``setup`` runs in them), so switch the main process's strategy here, before the launch."""
+    @functools.wraps(original)
+    def launch(self: Any, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if trainer is not None:
+            from ._callback import UnickptCallback, adopt
+
+            if any(isinstance(cb, UnickptCallback) for cb in getattr(trainer, "callbacks", [])):
+                adopt(self._strategy)
+        return original(self, function, *args, trainer=trainer, **kwargs)
+
+    setattr(launch, _MARK, True)
+    return launch
+
+
+def is_unickpt_file(path: Any, options: dict | None = None) -> bool:
+    """Whether ``path`` holds a unickpt Lightning checkpoint (a pack, a placeholder of one being
+    saved, or a pointer of the earlier layout)."""
+    from . import _pack
+
+    try:
+        p = os.fspath(path)
+    except TypeError:
+        return False
+    if p.startswith(("http://", "https://")):
+        return False
+    return _pack.kind(p, options) in ("pack", "pending", "pointer")
 
 
 def _wrap_pl_load(original: Any) -> Any:
-    """``LightningModule.load_from_checkpoint`` / ``LightningDataModule.load_from_checkpoint`` read with
-    ``pl_load`` (``torch.load``; lightning 2.6 ``pytorch/core/saving.py:72``): a path holding a
-    unickpt pointer is read by a :class:`~unickpt.lightning.UnickptCheckpointIO` in this process
-    alone (no collective: it may be called on one rank), with the caller's ``map_location`` and
-    ``weights_only``; anything else goes to the original reader."""
-    from unickpt.storage import Storage
+    """Lightning's reader ``pl_load`` (``torch.load``; lightning 2.6 ``fabric/utilities/cloud_io.py``):
+    a path holding a unickpt checkpoint is read by a :class:`~unickpt.lightning.UnickptCheckpointIO`
+    in this process alone (no collective: it may be called on one rank), with the caller's
+    ``map_location`` and ``weights_only``; anything else (file objects, URLs, ``torch.save``
+    files) goes to the original reader."""
 
     @functools.wraps(original)
     def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
-        if isinstance(path_or_url, (str, os.PathLike)):
-            p = os.fspath(path_or_url)
-            if not p.startswith("http") and _layout.claims_format(Storage(p), p):
-                from unickpt.collectives import THIS_PROCESS
+        if isinstance(path_or_url, (str, os.PathLike)) and is_unickpt_file(path_or_url):
+            from .io import _Solo
 
-                from .io import UnickptCheckpointIO
-
-                return UnickptCheckpointIO()._load(p, map_location, weights_only, get_engine(THIS_PROCESS))
+            return _reader()._load(os.fspath(path_or_url), map_location, weights_only, _Solo())
         return original(path_or_url, map_location=map_location, weights_only=weights_only)
 
     setattr(pl_load, _MARK, True)
     return pl_load
+
+
+_READER: list = []
+
+
+def _reader() -> Any:
+    """The process-wide default :class:`~unickpt.lightning.UnickptCheckpointIO` used by ``pl_load``."""
+    if not _READER:
+        from .io import UnickptCheckpointIO
+
+        _READER.append(UnickptCheckpointIO())
+    return _READER[0]
 
 
 def _wrap_save(original: Any) -> Any:
@@ -154,14 +256,8 @@ def _full_dict_reads(io: Any, weights_only: bool | None) -> Any:
     import lightning.fabric.strategies.model_parallel as fabric_mp
     import lightning.pytorch.strategies.fsdp as pl_fsdp
 
-    from unickpt.storage import Storage
-
     def ours(path: Any) -> bool:
-        try:
-            p = os.fspath(path)
-        except TypeError:
-            return False
-        return _layout.claims_format(Storage(p), p)
+        return is_unickpt_file(path)
 
     original_lazy, original_torch = pl_fsdp._lazy_load, fabric_mp.torch
 
@@ -255,7 +351,11 @@ def save_sharded(io: Any, strategy: Any, checkpoint: dict, filepath: Any, storag
     pointer = Pointer(_layout.relative(path, vdir), route="sharded", global_step=step, tensors_from=tensors_from)
     handle = engine.save(vdir, state, async_save=io.async_save, storage_options=options, step=step,
                          framework=FRAMEWORK, extra={"lightning_route": "sharded", "tensors_from": tensors_from},
-                         on_commit=io._publisher(path, version, pointer, options), allow_pickle=io._save_pickle())
+                         on_commit=io._sharded_publisher(path, version, pointer, options), allow_pickle=io._save_pickle())
+    from .io import _register, _unregister
+
+    _register(path, handle)
+    handle._future.add_done_callback(lambda f: _unregister(path, handle))
     io._track(path, handle)
     if link is None:
         io._last_full = (path, vdir, step, fingerprint)

@@ -5,7 +5,8 @@ and on every rank (load). Sharded strategies (``ModelParallelStrategy``,
 ``FSDPStrategy(state_dict_type="sharded")``) bypass ``CheckpointIO``; constructing a
 ``UnickptCheckpointIO`` installs the route that sends them here too (:mod:`._strategies`).
 
-Storage layout, versions and links: :mod:`unickpt.lightning._layout`.
+Storage layout: one file per checkpoint (:mod:`unickpt.lightning._pack`) for full dicts; the pointer
+layout of sharded routes (versions, links): :mod:`unickpt.lightning._layout`.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import atexit
 import logging
 import os
 import threading
+import uuid
 import weakref
 from typing import Any, Callable
 
@@ -20,12 +22,12 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 
 from unickpt.collectives import THIS_PROCESS
-from unickpt.engine import SaveHandle, get_engine
-from unickpt.errors import UnsafeObjectError
+from unickpt.engine import Engine, SaveHandle, get_engine
+from unickpt.errors import CheckpointNotFoundError, UnsafeObjectError
 from unickpt.metadata import METADATA_FILE, read_metadata
 from unickpt.storage import Storage
 
-from . import _layout
+from . import _layout, _pack
 from ._layout import Pointer
 from ._tree import _ODICT_TAG, TENSOR_TAG, join, split
 
@@ -69,7 +71,8 @@ class UnickptCheckpointIO(CheckpointIO):
 
     A file that is not a unickpt pointer (a ``torch.save`` checkpoint from before unickpt was turned
     on) is read as ``TorchCheckpointIO`` reads it. Constructing the plugin also routes
-    ``LightningModule.load_from_checkpoint`` of pointer files to unickpt (:mod:`._strategies`).
+    Lightning's reader ``pl_load`` (``LightningModule.load_from_checkpoint``) of unickpt files to
+    unickpt (:mod:`._strategies`).
 
     Raises (on save/load): TypeError for a DTensor in a full checkpoint dict; ValueError for a
     damaged pointer (naming the field) or a directory; UnsafeObjectError naming the key inside the
@@ -161,6 +164,7 @@ class UnickptCheckpointIO(CheckpointIO):
                 h.wait()
             except BaseException as e:  # keep waiting for the others
                 first = first or e
+            _cleanup(h)
         if first is not None:
             raise first
         self._raise_errors()
@@ -183,35 +187,47 @@ class UnickptCheckpointIO(CheckpointIO):
     # -- CheckpointIO -----------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         """Save the full checkpoint dict at ``path`` from this process alone (Lightning calls it on
-        global rank 0). Returns once the tensors are snapshotted (``async_save``) or committed."""
+        global rank 0). Returns once the tensors are snapshotted (``async_save``) or committed.
+
+        When it returns, ``path`` exists: the previous checkpoint there until this one commits (then
+        replaced atomically), or, for a new path, a placeholder that readers wait on (see
+        :mod:`._pack`). A failed save leaves the previous checkpoint and removes its placeholder."""
         self._raise_errors()
         path = _fspath(path)
         options = self._options(storage_options)
-        storage = Storage(path, options)
         tree, tensors = split(checkpoint)
         if not self._save_pickle():
             _refuse_pickles(path, tree)
         step = _global_step(checkpoint)
-        fingerprint = _fingerprint(tensors)
-        link = self._link_source(path, step, fingerprint)
-        version = self._version_for(storage, path)
-        vdir = _layout.version_dir(path, version)
-        if link is not None:
-            state = {TREE_KEY: tree}
-            tensors_from = _layout.relative(path, link)
-        else:
-            state = {TENSORS_KEY: tensors, TREE_KEY: tree} if tensors else {TREE_KEY: tree}
-            tensors_from = None
-        pointer = Pointer(_layout.relative(path, vdir), route="io", global_step=step, tensors_from=tensors_from)
-        handle = get_engine(THIS_PROCESS).save(
-            vdir, state, async_save=self.async_save, storage_options=options, step=step, framework=FRAMEWORK,
-            extra={"lightning_route": "io", "tensors_from": tensors_from},
-            on_commit=self._publisher(path, version, pointer, options), allow_pickle=self._save_pickle())
-        self._track(path, handle, link)
-        if link is None:
-            self._last_full = (path, vdir, step, fingerprint)
-        if not self.async_save:
-            self._wait(path)
+        staged = _pack.staging_dir()
+        state = {TENSORS_KEY: tensors, TREE_KEY: tree} if tensors else {TREE_KEY: tree}
+        token = uuid.uuid4().hex
+        placeholder = _pack.kind(path, options) == "missing"
+        if placeholder:  # so that the path exists when this call returns (ModelCheckpoint's version counter)
+            _pack.write_placeholder(path, options, token)
+        published: list[bool] = []
+        try:
+            handle = _io_engine().save(
+                staged, state, async_save=True, step=step, framework=FRAMEWORK,
+                extra={"lightning_route": "io", "lightning_name": os.path.basename(path.rstrip("/"))},
+                on_commit=self._publisher(path, staged, options, step, published), allow_pickle=self._save_pickle())
+        except BaseException:
+            if placeholder:
+                _drop_placeholder(path, options, token)
+            _rm_staged(staged)
+            raise
+        _register(path, handle)
+        _CLEANUPS[id(handle)] = _Once(lambda: _finish(path, handle, staged, options, token if placeholder else None,
+                                                      published))
+        handle._future.add_done_callback(lambda _f: _cleanup(handle))
+        self._track(path, handle)
+        if not self.async_save or not trainer_running():
+            # nothing to overlap with outside a Trainer run (trainer.save_checkpoint after fit, a
+            # script): finish it here, then give back the engine's threads and staging memory
+            try:
+                self._wait(path)
+            finally:
+                _release_io_engine()
 
     def _link_source(self, path: str, step: int | None, fingerprint: tuple) -> str | None:
         if not self.dedup_last or self._last_full is None or not fingerprint:
@@ -226,10 +242,13 @@ class UnickptCheckpointIO(CheckpointIO):
             return prev_vdir
         return None
 
-    def _publisher(self, path: str, version: int, pointer: Pointer, options: dict | None) -> Callable[[], None]:
+    def _publisher(self, path: str, staged: str, options: dict | None, step: int | None,
+                   published: list) -> Callable[[], None]:
         def publish() -> None:
             try:
-                self._publish(path, version, pointer, options)
+                _pack.write_pack(path, staged, options, extra={"global_step": step})
+                published.append(True)
+                _collect_old_layout(path, options)
             except BaseException as e:  # raised on the caller's next call
                 log.exception("unickpt.lightning: publishing %s failed", path)
                 with self._lock:
@@ -237,8 +256,9 @@ class UnickptCheckpointIO(CheckpointIO):
         return publish
 
     def _publish(self, path: str, version: int, pointer: Pointer, options: dict | None) -> None:
-        """After the commit of ``version`` (background thread, group rank 0): point ``path`` at it,
-        then delete the versions it replaces (keeping those that sibling links still read)."""
+        """Sharded route (the pointer layout of :mod:`._layout`), after the commit of ``version``
+        (background thread, group rank 0): point ``path`` at it, then delete the versions it
+        replaces (keeping those that sibling links still read)."""
         storage = Storage(path, options)
         if pointer.tensors_from is not None:
             source = _layout.resolve(path, pointer.tensors_from)
@@ -257,6 +277,18 @@ class UnickptCheckpointIO(CheckpointIO):
         if old is not None and old.tensors_from and old.tensors_from != pointer.tensors_from:
             _collect_link_target(storage, path, _layout.resolve(path, old.tensors_from))
 
+    def _sharded_publisher(self, path: str, version: int, pointer: Pointer,
+                           options: dict | None) -> Callable[[], None]:
+        """The ``on_commit`` step of a sharded-route save (:func:`._strategies.save_sharded`)."""
+        def publish() -> None:
+            try:
+                self._publish(path, version, pointer, options)
+            except BaseException as e:  # raised on the caller's next call
+                log.exception("unickpt.lightning: publishing %s failed", path)
+                with self._lock:
+                    self._errors.append(e)
+        return publish
+
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the checkpoint dict saved at ``path`` (collective: every rank of the default process
         group calls it, as Lightning does; each gets the whole dict).
@@ -264,23 +296,83 @@ class UnickptCheckpointIO(CheckpointIO):
         ``map_location``: ``None`` (CPU, as Lightning's ``TorchCheckpointIO``), a device or device
         string, or a ``{saved device: device}`` dict. ``weights_only=False`` allows unpickling (see
         ``allow_pickle``). A file that is not a unickpt pointer (a ``torch.save`` checkpoint written
-        before unickpt was turned on) is read as ``TorchCheckpointIO`` would. Raises ValueError for a
-        damaged pointer or a directory, FileNotFoundError if ``path`` does not exist.
+        before unickpt was turned on) is read as ``TorchCheckpointIO`` would. Waits for saves of
+        ``path`` in flight (see :func:`wait_for_saves`). Raises ValueError for a damaged file or
+        pointer or a directory, FileNotFoundError if ``path`` does not exist.
         """
-        return self._load(path, map_location, weights_only, get_engine(None))
+        import torch.distributed as dist
+
+        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        return self._load(path, map_location, weights_only, get_engine(None) if multi else _Solo())
 
     def _load(self, path: Any, map_location: Any, weights_only: bool | None, engine: Any) -> dict[str, Any]:
         """:meth:`load_checkpoint` over ``engine``'s process group (``get_engine(THIS_PROCESS)``: this
-        process alone, as ``LightningModule.load_from_checkpoint`` reads, see :mod:`._strategies`)."""
-        self._wait()
-        path = _fspath(path)
-        options = self._options(None)
-        pointer = _agree_pointer(engine, path, options, foreign=("file",))
-        if pointer is None:  # a torch.save checkpoint (written before unickpt was turned on): read it as Lightning does
-            from lightning.fabric.utilities.cloud_io import _load as pl_load
+        process alone, as ``LightningModule.load_from_checkpoint`` reads, see :mod:`._strategies`).
 
-            log.info("unickpt.lightning: %s is not a unickpt checkpoint; reading it with torch.load", path)
-            return pl_load(path, map_location=map_location or (lambda storage, loc: storage), weights_only=weights_only)
+        First waits for every save of ``path`` still in flight in this process (any instance; on
+        group rank 0, which wrote it, before the others read), then for a placeholder of another
+        process to be replaced."""
+        given, path = path, _fspath(path)
+        options = self._options(None)
+        if engine.world_size > 1:
+            if engine.rank == 0:
+                wait_for_saves(path)
+            engine.broadcast(None)  # the others read after rank 0's saves of path committed
+        else:
+            wait_for_saves(path)
+        self._raise_errors()
+        what = _pack.kind(path, options)
+        if what == "pending":
+            doc = _pack.read_placeholder(path, options) or {}
+            if doc.get("pid") == os.getpid() and _pack.placeholder_alive(doc):  # ours, and not in flight
+                raise CheckpointNotFoundError(f"{path!r}: its save in this process never committed (see the "
+                                              "error of that save); nothing was saved there")
+            _pack.wait_placeholder(path, options, float(os.environ.get("UNICKPT_LIGHTNING_WAIT_S", "1800")))
+            what = _pack.kind(path, options)
+        if what == "missing":  # the message of Lightning's TorchCheckpointIO
+            raise FileNotFoundError(f"Checkpoint file not found: {given}")
+        if what == "pack":
+            return self._load_pack(path, options, map_location, weights_only)
+        if what == "pointer":  # the layout before packs (pointer file + P.unickpt/ versions)
+            return self._load_pointer(path, options, map_location, weights_only, engine)
+        if what == "dir":
+            raise ValueError(f"{path!r} is a directory, not a unickpt or torch.save checkpoint file (a Lightning "
+                             "sharded checkpoint? load it with the strategy that wrote it)")
+        # a torch.save checkpoint (written before unickpt was turned on): read it as Lightning does
+        from ._strategies import original_pl_load
+
+        log.info("unickpt.lightning: %s is not a unickpt checkpoint; reading it with torch.load", path)
+        return original_pl_load()(path, map_location=map_location or (lambda storage, loc: storage),
+                                  weights_only=weights_only)
+
+    def _load_pack(self, path: str, options: dict | None, map_location: Any,
+                   weights_only: bool | None) -> dict[str, Any]:
+        """Read the pack at ``path`` in this process alone (every rank reads the file itself, as
+        ``torch.load`` does), through one open handle (a concurrent replacement is not seen)."""
+        from unickpt.loading import load_checkpoint
+
+        allow = self._load_pickle(weights_only)
+        from unickpt.collectives import Comm
+
+        comm = Comm.solo()
+        with _pack.open_pack(path, options) as (url, _index):
+            template = _tensor_template(url, None)
+            state: dict[str, Any] = {TENSORS_KEY: template, TREE_KEY: None} if template else {TREE_KEY: None}
+            try:
+                load_checkpoint(comm, url, state, strict=True, allow_pickle=allow, verify=self.verify,
+                                redistribute=False)
+            except UnsafeObjectError as e:
+                found = _pickled(read_metadata(Storage(url), url).state_tree.get(TREE_KEY))
+                raise (_unsafe(path, found, saving=False) if found else e) from None
+        move = _mover(map_location)
+        return join(state[TREE_KEY], lambda tag: move(template[tag[TENSOR_TAG]], tag.get("device")))
+
+    def _load_pointer(self, path: str, options: dict | None, map_location: Any, weights_only: bool | None,
+                      engine: Any) -> dict[str, Any]:
+        """Read a checkpoint of the pointer layout (:mod:`._layout`; written by earlier releases)."""
+        pointer = _agree_pointer(engine, path, options, foreign=("file",))
+        if pointer is None:
+            raise ValueError(f"{path!r} is not a unickpt-lightning checkpoint")
         if pointer.route != "io":
             raise ValueError(f"{path!r} was saved by a sharded strategy (route {pointer.route!r}); load it with the "
                              "same kind of strategy (ModelParallelStrategy / FSDPStrategy sharded)")
@@ -306,17 +398,27 @@ class UnickptCheckpointIO(CheckpointIO):
         return join(state[TREE_KEY], lambda tag: move(template[tag[TENSOR_TAG]], tag.get("device")))
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove the checkpoint at ``path`` (Lightning calls it on global rank 0): its pointer, then its
-        versions, except those that a sibling link still reads (deleted when that link moves on).
-        A path this plugin did not write is removed like ``TorchCheckpointIO`` does."""
+        """Remove the checkpoint at ``path`` (Lightning calls it on global rank 0), after its saves
+        still in flight in this process: the file itself (a symlink is removed, not its target), as
+        ``TorchCheckpointIO`` does. A pointer-layout checkpoint (sharded route, earlier releases)
+        loses its pointer, then its versions, except those that a sibling link still reads."""
         path = _fspath(path)
+        wait_for_saves(path, follow_links=False)
         self._wait(path)
+        options = self._options(None)
+        if "://" not in path and os.path.islink(path):
+            os.remove(path)
+            return
+        if _pack.kind(path, options) != "pointer":
+            _pack.remove_path(path, options)
+            _collect_old_layout(path, options)
+            return
         root = _layout.data_root(path) + "/"
         with self._lock:  # a link save still in flight must publish its pointer before its target is judged
             readers = [p for p, target in self._pending_links.items() if target.startswith(root) and p in self._pending]
         for p in readers:
             self._wait(p)
-        storage = Storage(path, self._options(None))
+        storage = Storage(path, options)
         pointer = _read_pointer_or_none(storage, path)
         if pointer is None:
             if storage.exists(path):
@@ -338,11 +440,189 @@ class UnickptCheckpointIO(CheckpointIO):
                 self._last_full = None
 
     def teardown(self) -> None:
-        """Wait for every pending save (Lightning calls this when the strategy tears down)."""
-        self._wait()
+        """Wait for every pending save (Lightning calls this when the strategy tears down, at the end
+        of ``fit`` / ``validate`` / ...), then give back the saving engine's threads and staging
+        memory (the next save starts them again)."""
+        try:
+            self._wait()
+        finally:
+            _release_io_engine()
 
 
 # -- module helpers ----------------------------------------------------------------------------------
+_ENGINE: list[Engine] = []  # the engine of io-route saves (this process alone), while saves need it
+_ENGINE_LOCK = threading.Lock()
+_RUNNING = [0]  # Trainer runs in progress in this process (see trainer_running)
+
+
+def _io_engine() -> Engine:
+    """The engine that writes io-route saves (one process), started on first use."""
+    with _ENGINE_LOCK:
+        if not _ENGINE:
+            _ENGINE.append(Engine(THIS_PROCESS))
+        return _ENGINE[0]
+
+
+def _release_io_engine() -> None:
+    """Close the io-route engine (its threads and staging buffers) if no save is in flight and no
+    Trainer is running; the next save starts a new one."""
+    with _ENGINE_LOCK:
+        if not _ENGINE or _RUNNING[0] > 0:
+            return
+        with _INFLIGHT_LOCK:
+            if any(not h.done() for hs in _INFLIGHT.values() for h in hs):
+                return
+        engine = _ENGINE.pop()
+    try:
+        engine.close()
+    except BaseException:  # noqa: BLE001 - every save it ran was already waited for
+        log.exception("unickpt.lightning: closing the save engine failed")
+
+
+def trainer_running() -> bool:
+    """Whether a ``Trainer`` run (``fit`` / ``validate`` / ``test`` / ``predict``) is in progress in
+    this process (counted by the wrapper that :func:`._strategies.install` puts on ``Trainer._run``)."""
+    return _RUNNING[0] > 0
+
+
+def _run_started() -> None:
+    with _ENGINE_LOCK:
+        _RUNNING[0] += 1
+
+
+def _run_ended() -> None:
+    with _ENGINE_LOCK:
+        _RUNNING[0] = max(0, _RUNNING[0] - 1)
+        last = _RUNNING[0] == 0
+    if last:  # the run's saves (also those a wrapping AsyncCheckpointIO handed over late) commit first
+        with _INFLIGHT_LOCK:
+            paths = list(_INFLIGHT)
+        for p in paths:
+            wait_for_saves(p, follow_links=False)
+        _release_io_engine()
+
+
+_INFLIGHT: dict[str, list[SaveHandle]] = {}  # Lightning path -> saves of it not finished (every instance)
+_INFLIGHT_LOCK = threading.Lock()
+
+
+def _register(path: str, handle: SaveHandle) -> None:
+    with _INFLIGHT_LOCK:
+        _INFLIGHT.setdefault(path, []).append(handle)
+
+
+def _unregister(path: str, handle: SaveHandle) -> None:
+    with _INFLIGHT_LOCK:
+        left = [h for h in _INFLIGHT.get(path, []) if h is not handle]
+        if left:
+            _INFLIGHT[path] = left
+        else:
+            _INFLIGHT.pop(path, None)
+
+
+def in_flight(path: Any) -> bool:
+    """Whether a save of Lightning path ``path`` by any :class:`UnickptCheckpointIO` of this process
+    has not finished."""
+    with _INFLIGHT_LOCK:
+        return bool(_INFLIGHT.get(_fspath(path)))
+
+
+def wait_for_saves(path: Any, follow_links: bool = True) -> None:
+    """Wait until no save of ``path`` (and, for a symlink, of its target) started in this process by
+    any :class:`UnickptCheckpointIO` is in flight. Failures are not raised here (the saving instance
+    raises them); a reader then finds the previous checkpoint, or none."""
+    path = _fspath(path)
+    paths = {path}
+    if follow_links and "://" not in path:
+        paths.add(os.path.realpath(path))
+    while True:
+        with _INFLIGHT_LOCK:
+            handles = [h for p in paths for h in _INFLIGHT.get(p, [])]
+        if not handles:
+            return
+        for h in handles:
+            try:
+                h._future.result()
+            except BaseException:  # noqa: BLE001 - reported by the saving instance
+                pass
+            _cleanup(h)
+            _unregister_everywhere(h)
+
+
+def _unregister_everywhere(handle: SaveHandle) -> None:
+    with _INFLIGHT_LOCK:
+        for p in [p for p, hs in _INFLIGHT.items() if handle in hs]:
+            left = [h for h in _INFLIGHT[p] if h is not handle]
+            if left:
+                _INFLIGHT[p] = left
+            else:
+                del _INFLIGHT[p]
+
+
+_CLEANUPS: dict[int, "_Once"] = {}  # id(handle) -> its post-save cleanup (see _cleanup)
+
+
+class _Once:
+    """A cleanup that runs once; a second caller waits until the first one finished it."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self.fn, self.lock, self.done = fn, threading.Lock(), False
+
+    def __call__(self) -> None:
+        with self.lock:
+            if not self.done:
+                self.done = True
+                self.fn()
+
+
+def _cleanup(handle: SaveHandle) -> None:
+    """Run the cleanup of finished save ``handle`` (:func:`_finish`) unless it already ran; its done
+    callback and every waiter call this, so a waiter sees the outcome on storage when it returns (a
+    failed save's placeholder gone)."""
+    once = _CLEANUPS.get(id(handle))
+    if once is not None:
+        once()
+        _CLEANUPS.pop(id(handle), None)
+
+
+def _finish(path: str, handle: SaveHandle, staged: str, options: dict | None, token: str | None,
+            published: list) -> None:
+    """After an io-route save finished: drop its staging copy and its in-flight entry; if it did not
+    publish, remove the placeholder it wrote (the path had no checkpoint)."""
+    try:
+        if token is not None and not published:
+            _drop_placeholder(path, options, token)
+        _rm_staged(staged)
+    except BaseException:  # noqa: BLE001 - a callback must not raise
+        log.exception("unickpt.lightning: cleaning up after the save of %s failed", path)
+    finally:
+        _unregister(path, handle)
+
+
+def _drop_placeholder(path: str, options: dict | None, token: str) -> None:
+    doc = _pack.read_placeholder(path, options)
+    if doc is not None and doc.get("token") == token:
+        _pack.remove_path(path, options)
+
+
+def _rm_staged(staged: str) -> None:
+    import fsspec
+
+    mem = fsspec.filesystem("memory")
+    root = mem._strip_protocol(staged)
+    if mem.exists(root):
+        mem.rm(root, recursive=True)
+
+
+def _collect_old_layout(path: str, options: dict | None) -> None:
+    """Delete ``P.unickpt`` (the data of the pointer layout) once ``path`` no longer is a pointer and
+    no sibling link reads it."""
+    storage = Storage(path, options)
+    root = _layout.data_root(path)
+    if storage.exists(root) and not _layout.siblings_linking_to(storage, path):
+        storage.rm(root)
+
+
 _LIVE: "weakref.WeakSet[UnickptCheckpointIO]" = weakref.WeakSet()
 
 
@@ -464,6 +744,21 @@ def _unsafe(path: str, found: list[tuple[str, str]], saving: bool) -> UnsafeObje
                              "checkpoint pass weights_only=False (trainer.fit/validate/test(ckpt_path=..., "
                              "weights_only=False), load_from_checkpoint(..., weights_only=False)) or use "
                              "UnickptCheckpointIO(allow_pickle=True)")
+
+
+class _Solo:
+    """The "engine" of a load in this process alone (rank 0 of 1), without starting an engine."""
+
+    rank, world_size = 0, 1
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+    def load(self, path: str, state: dict, **kwargs: Any) -> Any:
+        from unickpt.collectives import Comm
+        from unickpt.loading import load_checkpoint
+
+        return load_checkpoint(Comm.solo(), path, state, **kwargs)
 
 
 def _agree_pointer(engine: Any, path: str, options: dict | None, foreign: tuple = ()) -> Pointer | None:

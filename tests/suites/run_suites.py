@@ -26,7 +26,7 @@ the runner in its ``ACCEPTED`` dict with its reason, and reported but not counte
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -35,11 +35,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _runner(name: str):
-    sys.path.insert(0, HERE)
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(HERE)
+    """The runner module ``tests/suites/<name>.py``, imported from its file under a name of its own
+    (``lightning.py`` on ``sys.path`` would shadow the real ``lightning`` package, or be shadowed)."""
+    spec = importlib.util.spec_from_file_location(f"unickpt_suite_{name}", os.path.join(HERE, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def compare(runner_name: str, source: str | None) -> list[dict]:

@@ -1,0 +1,451 @@
+"""One file per Lightning checkpoint: the *pack* (the layout of full-dict checkpoints, route ``io``).
+
+Lightning and its users treat a ``.ckpt`` path as one plain file: ``os.listdir`` / ``glob`` /
+fsspec ``ls`` of a checkpoint folder show only the ``.ckpt`` names, ``os.path.isfile`` holds,
+``os.remove`` / ``fs.rm`` / ``shutil.copy`` / ``os.symlink`` (``save_last="link"``) act on the whole
+checkpoint, and ``ModelCheckpoint``'s version counter checks ``exists``. So the unickpt checkpoint
+of a path ``P`` lives *inside* ``P``::
+
+    P = MAGIC | member bytes ... | index (JSON) | footer (index offset, index length, MAGIC)
+
+The members are the files of one committed unickpt checkpoint directory (``metadata.json``,
+``data/0_0.bin``, ``objects/...``); the index maps each member name to ``[offset, size]``. A save
+writes the unickpt checkpoint into process memory (``memory://``, see :func:`staging_dir`), and
+after its commit the pack is written to a hidden temporary name in ``P``'s directory (no ``.ckpt``
+in it, so no Lightning scan parses it) and renamed over ``P`` atomically (object stores: one PUT).
+A reader opens ``P`` once and reads every member through that one handle (:func:`open_pack`), so a
+concurrent replacement of ``P`` is never seen half-way: it reads the old file or the new one.
+
+Until the first save of ``P`` has committed, ``P`` is a *placeholder* (:func:`write_placeholder`):
+a small JSON file naming the writing process, so that ``P`` exists as soon as the save call
+returns. Readers wait for the save (in-process: the in-flight registry of ``io``; another process:
+until ``P`` is replaced, or its writer is gone).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import fsspec
+from fsspec import AbstractFileSystem
+
+__all__ = ["MAGIC", "PENDING_FORMAT", "PROTOCOL", "kind", "write_pack", "open_pack", "staging_dir",
+           "write_placeholder", "read_placeholder", "placeholder_alive", "wait_placeholder", "temp_name",
+           "remove_path", "PackFileSystem"]
+
+MAGIC = b"UNICKPT-LPACK-1\n"  # 16 bytes, first and last bytes of a pack
+_FOOTER = struct.Struct("<QQ")  # index offset, index length (then MAGIC)
+PENDING_FORMAT = "unickpt-lightning-pending"
+PROTOCOL = "unickptpack"
+_SKIP = {".unickpt-writer"}  # members not packed (advisory markers of the staging directory)
+_MAX_PLACEHOLDER = 1 << 12
+
+
+def temp_name(path: str) -> str:
+    """A hidden temporary sibling of ``path`` that Lightning's scans never parse (no ``.ckpt``, no
+    part of ``path``'s name, so ``hpc_ckpt_<n>`` / ``last*`` / version patterns do not match)."""
+    parent = path.rstrip("/").rsplit("/", 1)[0] if "/" in path.rstrip("/") else "."
+    return f"{parent}/.unickpt-tmp-{uuid.uuid4().hex}"
+
+
+def staging_dir() -> str:
+    """A fresh in-memory directory for one save (fsspec ``memory://``, this process only)."""
+    return f"memory://unickpt-lightning/{os.getpid()}-{uuid.uuid4().hex}"
+
+
+def _local(path: str) -> bool:
+    return "://" not in path or path.startswith("file://")
+
+
+def _strip_file(path: str) -> str:
+    return path[len("file://"):] if path.startswith("file://") else path
+
+
+def kind(path: str, options: dict | None = None) -> str | None:
+    """What ``path`` holds: ``"pack"``, ``"pending"`` (a placeholder), ``"pointer"`` (a small JSON
+    file claiming the earlier pointer layout, :mod:`._layout`), ``"missing"``, ``"dir"``, or None (a
+    file of another format, e.g. a ``torch.save`` checkpoint)."""
+    try:
+        if _local(path):
+            p = _strip_file(path)
+            if not os.path.exists(p):
+                return "missing"
+            if os.path.isdir(p):
+                return "dir"
+            with open(p, "rb") as f:
+                head = f.read(_MAX_PLACEHOLDER + 1)
+        else:
+            fs, _ = fsspec.core.url_to_fs(path, **(options or {}))
+            if not fs.exists(path):
+                return "missing"
+            if fs.isdir(path):
+                return "dir"
+            with fs.open(path, "rb") as f:
+                head = f.read(_MAX_PLACEHOLDER + 1)
+    except FileNotFoundError:
+        return "missing"
+    except OSError:
+        return None
+    if head.startswith(MAGIC):
+        return "pack"
+    if len(head) > _MAX_PLACEHOLDER or not head.lstrip().startswith(b"{"):
+        return None
+    try:
+        doc = json.loads(head)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    if doc.get("format") == PENDING_FORMAT:
+        return "pending"
+    if doc.get("format") == "unickpt-lightning":
+        return "pointer"
+    return None
+
+
+def _write_local_atomic(path: str, chunks: list) -> None:
+    """Write ``chunks`` to local ``path`` atomically. The bytes go to an unnamed file
+    (``O_TMPFILE``) that gets its hidden temporary name only once complete, right before the rename,
+    so a directory listing during the write shows nothing extra; where ``O_TMPFILE`` is missing, to
+    a hidden temporary name (:func:`temp_name`)."""
+    final = os.path.abspath(_strip_file(path))
+    parent = os.path.dirname(final)
+    tmp: str | None = None
+    fd = -1
+    if hasattr(os, "O_TMPFILE"):
+        try:
+            fd = os.open(parent, os.O_TMPFILE | os.O_WRONLY, 0o644)
+        except OSError:
+            fd = -1
+    if fd < 0:
+        tmp = temp_name(final)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                while view:
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+            if tmp is None:
+                name = temp_name(final)
+                try:
+                    os.link(f"/proc/self/fd/{fd}", name, follow_symlinks=True)
+                except OSError:  # no /proc, or linkat refused: write it again under a name
+                    os.close(fd)
+                    fd = -1
+                    _write_named(final, chunks)
+                    return
+                tmp = name
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        os.replace(tmp, final)
+    except BaseException:
+        if tmp is not None:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+        raise
+    _fsync_dir(parent)
+
+
+def _write_named(final: str, chunks: list) -> None:
+    tmp = temp_name(final)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                while view:
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(os.path.dirname(final))
+
+
+def _fsync_dir(parent: str) -> None:
+    dfd = os.open(parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _write_atomic(path: str, chunks: list, options: dict | None) -> None:
+    if _local(path):
+        os.makedirs(os.path.dirname(os.path.abspath(_strip_file(path))), exist_ok=True)
+        _write_local_atomic(path, chunks)
+        return
+    fs, _ = fsspec.core.url_to_fs(path, **(options or {}))
+    with fs.open(path, "wb") as f:  # one object: atomic on object stores
+        for chunk in chunks:
+            f.write(chunk)
+
+
+def write_pack(path: str, staged: str, options: dict | None, extra: dict | None = None) -> int:
+    """Pack the committed unickpt checkpoint directory ``staged`` (``memory://``) into ``path``,
+    atomically replacing what ``path`` held. Returns the pack's size in bytes."""
+    mem = fsspec.filesystem("memory")
+    root = mem._strip_protocol(staged).rstrip("/")
+    names = sorted(p[len(root) + 1:] for p in mem.find(root) if p[len(root) + 1:] not in _SKIP)
+    if "metadata.json" not in names:
+        raise RuntimeError(f"{staged!r} holds no committed checkpoint (no metadata.json)")
+    names.remove("metadata.json")
+    names.append("metadata.json")  # last, as the commit marker is written last
+
+    def body(name: str) -> memoryview:
+        f = mem.store[f"{root}/{name}"]
+        try:
+            return f.getbuffer()
+        except AttributeError:  # pragma: no cover - another fsspec memory file type
+            return memoryview(mem.cat_file(f"{root}/{name}"))
+
+    index: dict[str, Any] = {"format": "unickpt-lightning-pack", "format_version": 1, "files": {}, **(extra or {})}
+    offset = len(MAGIC)
+    views = []
+    for name in names:
+        v = body(name)
+        index["files"][name] = [offset, v.nbytes]
+        offset += v.nbytes
+        views.append(v)
+    raw = json.dumps(index, separators=(",", ":")).encode()
+
+    chunks = [MAGIC, *views, raw, _FOOTER.pack(offset, len(raw)) + MAGIC]
+    _write_atomic(path, chunks, options)
+    return offset + len(raw) + _FOOTER.size + len(MAGIC)
+
+
+def write_placeholder(path: str, options: dict | None, token: str) -> None:
+    """Make ``path`` exist (a small JSON file) while its first save is in flight."""
+    doc = {"format": PENDING_FORMAT, "host": socket.gethostname(), "pid": os.getpid(), "token": token,
+           "note": "unickpt: the checkpoint saved here has not committed yet"}
+    _write_atomic(path, [json.dumps(doc).encode()], options)
+
+
+def read_placeholder(path: str, options: dict | None) -> dict | None:
+    """The placeholder document at ``path``, or None if ``path`` is no placeholder (any more)."""
+    try:
+        if _local(path):
+            with open(_strip_file(path), "rb") as f:
+                head = f.read(_MAX_PLACEHOLDER + 1)
+        else:
+            fs, _ = fsspec.core.url_to_fs(path, **(options or {}))
+            with fs.open(path, "rb") as f:
+                head = f.read(_MAX_PLACEHOLDER + 1)
+        doc = json.loads(head)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("format") == PENDING_FORMAT else None
+
+
+def placeholder_alive(doc: dict) -> bool:
+    """Whether the process that wrote placeholder ``doc`` may still commit (same host: it runs;
+    another host: unknown, so True)."""
+    if doc.get("host") != socket.gethostname():
+        return True
+    pid = doc.get("pid")
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_path(path: str, options: dict | None) -> None:
+    """Remove ``path`` itself (a file, a symlink, not its target; a directory tree), if present."""
+    if _local(path):
+        p = _strip_file(path)
+        if os.path.islink(p) or os.path.isfile(p):
+            os.remove(p)
+        elif os.path.isdir(p):
+            import shutil
+
+            shutil.rmtree(p)
+        return
+    fs, _ = fsspec.core.url_to_fs(path, **(options or {}))
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+# -- reading: a read-only fsspec file system over one open pack -----------------------------------
+class _Pack:
+    """One open pack file: its index and positional reads through one handle."""
+
+    def __init__(self, path: str, options: dict | None):
+        self.path = path
+        self._lock = threading.Lock()
+        if _local(path):
+            self._fd: int | None = os.open(_strip_file(path), os.O_RDONLY)
+            self._f = None
+            size = os.fstat(self._fd).st_size
+        else:
+            fs, _ = fsspec.core.url_to_fs(path, **(options or {}))
+            self._fd = None
+            self._f = fs.open(path, "rb")
+            size = self._f.size
+        try:
+            tail = self.pread(max(0, size - _FOOTER.size - len(MAGIC)), _FOOTER.size + len(MAGIC))
+            if size < 2 * len(MAGIC) + _FOOTER.size or tail[_FOOTER.size:] != MAGIC or \
+                    self.pread(0, len(MAGIC)) != MAGIC:
+                raise ValueError(f"{path!r}: damaged unickpt checkpoint file (truncated or not a pack; "
+                                 f"{size} bytes)")
+            off, length = _FOOTER.unpack(tail[:_FOOTER.size])
+            try:
+                self.index = json.loads(self.pread(off, length))
+                self.files: dict[str, list[int]] = self.index["files"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{path!r}: damaged unickpt checkpoint file (unreadable index)") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def pread(self, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset`` of the pack file (fewer at its end)."""
+        if self._fd is not None:
+            out = bytearray()
+            while len(out) < length:
+                chunk = os.pread(self._fd, length - len(out), offset + len(out))
+                if not chunk:
+                    break
+                out += chunk
+            return bytes(out)
+        with self._lock:
+            self._f.seek(offset)
+            return self._f.read(length)
+
+    def close(self) -> None:
+        """Close the file handle."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+_OPEN: dict[str, _Pack] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+class PackFileSystem(AbstractFileSystem):
+    """``unickptpack://<token>/<member>``: the members of an open pack (see :func:`open_pack`)."""
+
+    protocol = PROTOCOL
+    cachable = False
+    root_marker = ""
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        path = os.fspath(path) if not isinstance(path, str) else path
+        if path.startswith(PROTOCOL + "://"):
+            path = path[len(PROTOCOL) + 3:]
+        return path.rstrip("/")
+
+    def _split(self, path: str) -> tuple[_Pack, str]:
+        token, _, member = self._strip_protocol(path).partition("/")
+        with _OPEN_LOCK:
+            pack = _OPEN.get(token)
+        if pack is None:
+            raise FileNotFoundError(path)
+        return pack, member
+
+    def info(self, path: str, **kwargs: Any) -> dict:
+        """fsspec ``info`` of a member (a file) or of a folder of members."""
+        pack, member = self._split(path)
+        if member in pack.files:
+            return {"name": self._strip_protocol(path), "size": pack.files[member][1], "type": "file"}
+        if member == "" or any(n.startswith(member + "/") for n in pack.files):
+            return {"name": self._strip_protocol(path), "size": 0, "type": "directory"}
+        raise FileNotFoundError(path)
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list:
+        """The members (and member folders) directly under ``path``."""
+        pack, member = self._split(path)
+        base = self._strip_protocol(path)
+        prefix = member + "/" if member else ""
+        names = sorted({n[len(prefix):].split("/", 1)[0] for n in pack.files if n.startswith(prefix)})
+        if not names and member not in pack.files:
+            raise FileNotFoundError(path)
+        out = [self.info(f"{base}/{n}") for n in names]
+        return out if detail else [o["name"] for o in out]
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        """Bytes ``[start, end)`` of a member (negative values count from its end, as fsspec's)."""
+        pack, member = self._split(path)
+        if member not in pack.files:
+            raise FileNotFoundError(path)
+        off, size = pack.files[member]
+        start = 0 if start is None else (start if start >= 0 else size + start)
+        end = size if end is None else (min(end, size) if end >= 0 else size + end)
+        return pack.pread(off + start, max(0, end - start))
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        import io
+
+        if "r" not in mode:
+            raise PermissionError(f"{path}: unickpt packs are read-only")
+        return io.BytesIO(self.cat_file(path))
+
+
+fsspec.register_implementation(PROTOCOL, PackFileSystem, clobber=True)
+
+
+@contextmanager
+def open_pack(path: str, options: dict | None = None) -> Iterator[tuple[str, dict]]:
+    """Open the pack at ``path``; yield ``(url, index)``: ``url`` is the unickpt checkpoint inside
+    (``unickptpack://<token>``, for :func:`unickpt.load` / ``Storage``), read through one handle."""
+    pack = _Pack(path, options)
+    token = uuid.uuid4().hex
+    with _OPEN_LOCK:
+        _OPEN[token] = pack
+    try:
+        yield f"{PROTOCOL}://{token}", pack.index
+    finally:
+        with _OPEN_LOCK:
+            _OPEN.pop(token, None)
+        pack.close()
+
+
+def wait_placeholder(path: str, options: dict | None, timeout_s: float) -> None:
+    """Wait while ``path`` is a placeholder of a live writer in another process (up to
+    ``timeout_s``). Raises ``unickpt.CheckpointNotFoundError`` if its writer is gone or the wait
+    times out."""
+    from unickpt.errors import CheckpointNotFoundError
+
+    deadline = time.monotonic() + timeout_s
+    delay = 0.01
+    while True:
+        doc = read_placeholder(path, options)
+        if doc is None:
+            return
+        if not placeholder_alive(doc):
+            raise CheckpointNotFoundError(
+                f"{path!r}: its save never committed (the writing process {doc.get('pid')} on {doc.get('host')} "
+                "is gone); nothing was saved there")
+        if time.monotonic() > deadline:
+            raise CheckpointNotFoundError(f"{path!r}: a save by process {doc.get('pid')} on {doc.get('host')} "
+                                          f"has not committed after {timeout_s:.0f} s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
