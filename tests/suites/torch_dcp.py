@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -67,15 +68,20 @@ _SITECUSTOMIZE = "import os\nif os.environ.get('UNICKPT_DCP_SWAP') == '1':\n    
 def _env(mode: str, scratch: str) -> dict:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    paths = [HERE]
+    paths = []
     if mode == "unickpt":
+        # only the plugin and the sitecustomize go on the path, copied into the scratch directory:
+        # tests/suites itself holds lightning.py / accelerate.py, which would shadow those packages
+        shutil.copy(os.path.join(HERE, "unickpt_dcp_swap.py"), os.path.join(scratch, "unickpt_dcp_swap.py"))
         with open(os.path.join(scratch, "sitecustomize.py"), "w") as f:
             f.write(_SITECUSTOMIZE)
-        paths.insert(0, scratch)
+        paths.append(scratch)
         env["UNICKPT_DCP_SWAP"] = "1"
     else:
         env.pop("UNICKPT_DCP_SWAP", None)
-    env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    rest = [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []
+    if paths or rest:
+        env["PYTHONPATH"] = os.pathsep.join(paths + rest)
     return env
 
 

@@ -1,7 +1,7 @@
 """pytest plugin for ``torch_dcp.py --mode unickpt``: DCP's ``FileSystemWriter`` / ``FileSystemReader``
 replaced by unickpt's ``StorageWriter`` / ``StorageReader`` wherever PyTorch's tests reach them.
 
-Loaded with ``pytest -p unickpt_dcp_swap`` (the suite runner puts ``tests/suites`` on ``PYTHONPATH``),
+Loaded with ``pytest -p unickpt_dcp_swap`` (the suite runner copies it into a scratch directory on ``PYTHONPATH``),
 so it is imported before any test module. The multi-process test bases (``MultiProcessTestCase``:
 ``ShardedTensorTestBase``, ``DTensorTestBase``) run each rank in a *spawned* child that does not load
 pytest plugins; the runner therefore also puts a ``sitecustomize.py`` on the children's
