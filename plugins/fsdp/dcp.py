@@ -47,10 +47,19 @@ from unickpt.resharding import chunk_pieces
 from unickpt.state import saved_leaves
 from unickpt.storage import Storage
 
-__all__ = ["StorageWriter", "StorageReader", "BYTES_PREFIX", "FRAMEWORK"]
+__all__ = ["StorageWriter", "StorageReader", "BYTES_PREFIX", "CHUNK_PREFIX", "GENERATIONS_DIR", "FRAMEWORK"]
 
 BYTES_PREFIX = "__dcp_bytes__."
 """fqn prefix of DCP non-tensor items (``torch.save`` bytes) stored as ``uint8`` tensors."""
+CHUNK_PREFIX = "__dcp_chunk__."
+"""Prefix of the chunks of a tensor that some rank holds several chunks of (a ``ShardedTensor`` with
+several local shards): each chunk is stored as a tensor of its own, ``__dcp_chunk__.<o0>_<o1>...<fqn>``
+(its offsets in the whole tensor), and ``extra.dcp.chunked`` gives the whole tensor's shape."""
+GENERATIONS_DIR = ".unickpt-dcp"
+"""Subdirectory of a ``StorageWriter`` checkpoint directory that holds each save's files
+(``<GENERATIONS_DIR>/<save id>/``) until the next save to the same directory replaces it."""
+RANK_DIR = ".unickpt-rank-{rank}"
+"""``dcp.save(..., use_collectives=False)``: each rank's own checkpoint, a subdirectory of the path."""
 FRAMEWORK = "torch.distributed.checkpoint"
 
 
@@ -64,6 +73,143 @@ def _path(checkpoint_id: Any) -> str:
     if not isinstance(checkpoint_id, (str, os.PathLike)):
         raise TypeError(f"checkpoint_id must be a path or URL (str or os.PathLike), got {type(checkpoint_id).__name__}")
     return os.fspath(checkpoint_id)
+
+
+def _dcp_wrapper() -> Any:
+    """The ``_DistWrapper`` of the ``dcp.save`` / ``dcp.load`` call this method runs in (its process
+    group, and whether it is distributed at all: ``no_dist``), found in the calling frames (for
+    ``dcp.async_save``'s staging, its ``process_group`` and ``no_dist`` arguments); None when the
+    writer or reader is driven directly."""
+    import inspect
+
+    from torch.distributed.checkpoint.utils import _DistWrapper
+
+    frame = inspect.currentframe()
+    try:
+        f = frame.f_back if frame is not None else None
+        for _ in range(12):
+            if f is None:
+                return None
+            w = f.f_locals.get("distW")
+            if isinstance(w, _DistWrapper):
+                return w
+            if f.f_code.co_name == "async_save" and f.f_globals.get("__name__", "").endswith("state_dict_saver"):
+                # staging (AsyncStager.stage) runs before async_save builds its _DistWrapper
+                import types
+
+                loc = f.f_locals
+                no_dist = bool(loc.get("no_dist", False))
+                return types.SimpleNamespace(group=loc.get("process_group"), use_dist=not no_dist)
+            f = f.f_back
+        return None
+    finally:
+        del frame
+
+
+def _dcp_group(own: Any, use_collectives: bool = True) -> Any:
+    """The process group a writer or reader (constructed with ``process_group=own``) runs unickpt's
+    collectives over: DCP's own (``process_group`` of ``dcp.save`` / ``dcp.load``, else ``own``, else the
+    world); :data:`unickpt.collectives.THIS_PROCESS` (this process alone) with ``no_dist=True``, without
+    an initialised process group, with ``use_collectives=False``, or when ``own`` is THIS_PROCESS."""
+    import torch.distributed as dist
+
+    from unickpt.collectives import THIS_PROCESS
+
+    if own is THIS_PROCESS or not use_collectives or not (dist.is_available() and dist.is_initialized()):
+        return THIS_PROCESS
+    w = _dcp_wrapper()
+    if w is None:
+        return own
+    if not w.use_dist:
+        return THIS_PROCESS
+    return w.group if w.group is not None else own
+
+
+def _all_gather(group: Any, obj: Any) -> list:
+    """Every group rank's ``obj`` (one ``all_gather_object``); ``[obj]`` for THIS_PROCESS or a world of one."""
+    import torch.distributed as dist
+
+    from unickpt.collectives import THIS_PROCESS
+
+    if group is THIS_PROCESS or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [obj]
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, obj, group=group)
+    return every
+
+
+def _flatten_both(values: dict) -> dict:
+    """``values`` flattened as DCP flattens a state dict now (containers of plain values split per
+    element) and as torch <= 2.3 did (such containers whole): the union of both key sets."""
+    from torch.distributed.checkpoint import _version
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    new = flatten_state_dict(values)[0]
+    before = _version._derived_version
+    _version._derived_version = "2_3"
+    try:
+        old = flatten_state_dict(values)[0]
+    finally:
+        _version._derived_version = before
+    return {**old, **new}
+
+
+def _chunk_key(fqn: str, offsets: Any) -> str:
+    return CHUNK_PREFIX + "_".join(str(int(o)) for o in offsets) + "." + fqn
+
+
+def _parse_chunk_key(key: str) -> tuple[str, tuple[int, ...]]:
+    rest = key[len(CHUNK_PREFIX):]
+    offs, _, fqn = rest.partition(".")
+    return fqn, tuple(int(o) for o in offs.split("_")) if offs else ()
+
+
+def _commit_generation(storage: Storage, path: str, gen: str) -> None:
+    """Make the committed save in ``<path>/<gen>`` the checkpoint at ``path``: one atomic replace of
+    ``<path>/metadata.json`` by the generation's metadata with its file names prefixed by ``gen``,
+    then removal of the checkpoint it replaced (its generation directory, or the data and object
+    files a checkpoint written there directly named). Until the replace, the old checkpoint stays
+    loadable; other files in ``path`` are left alone."""
+    import json
+    import posixpath
+
+    from unickpt.metadata import METADATA_FILE
+
+    doc = json.loads(storage.read_bytes(storage.join(path, gen, METADATA_FILE)))
+    for tm in doc.get("tensors", {}).values():
+        for c in tm.get("chunks", []):
+            c["file"] = posixpath.join(gen, c["file"])
+    per_rank = doc.get("per_rank")
+    if per_rank and per_rank.get("files"):
+        per_rank["files"] = [None if f is None else posixpath.join(gen, f) for f in per_rank["files"]]
+    doc.setdefault("extra", {}).setdefault("dcp", {})["generation"] = gen
+    top = storage.join(path, METADATA_FILE)
+    old = None
+    if storage.exists(top):
+        try:
+            old = json.loads(storage.read_bytes(top))
+        except Exception:  # unreadable: it is replaced, its files are left alone
+            old = None
+    storage.write_atomic(top, json.dumps(doc, separators=(",", ":")).encode())
+    if not isinstance(old, dict):
+        return
+    old_gen = ((old.get("extra") or {}).get("dcp") or {}).get("generation")
+    if isinstance(old_gen, str) and old_gen != gen and old_gen.count("/") == 1 and \
+            old_gen.startswith(GENERATIONS_DIR + "/") and len(old_gen) > len(GENERATIONS_DIR) + 1:
+        try:
+            storage.rm(storage.join(path, old_gen))
+        except FileNotFoundError:
+            pass
+        return
+    if old_gen is None:  # a checkpoint written into path itself (unickpt.save, an older StorageWriter)
+        keep = {c["file"] for tm in doc.get("tensors", {}).values() for c in tm.get("chunks", [])}
+        files = {c.get("file") for tm in old.get("tensors", {}).values() for c in tm.get("chunks", [])}
+        files |= set((old.get("per_rank") or {}).get("files") or [])
+        for rel in sorted(f for f in files - keep if isinstance(f, str) and ".." not in f.split("/")):
+            try:
+                storage.rm(storage.join(path, rel))
+            except FileNotFoundError:
+                pass
 
 
 def _jsonable_mapping(planner_data: Any) -> Any:
@@ -116,25 +262,36 @@ class StorageWriter(_DCPWriter, AsyncStager):
 
     Args:
         path: the checkpoint directory (local path or fsspec URL); or give it as ``checkpoint_id``
-            to ``dcp.save``. A committed checkpoint there is never overwritten
-            (:class:`unickpt.CheckpointExistsError`).
-        process_group: the ranks taking part (default: world); the same group as ``dcp.save``'s.
+            to ``dcp.save``. As with DCP's ``FileSystemWriter``, a checkpoint already there is
+            replaced when the new one commits (it stays loadable until then), and other files in the
+            directory are left alone.
+        process_group: the ranks taking part when ``dcp.save`` is given none (default: the world).
+            The group ``dcp.save`` itself uses wins (its ``process_group``; a world of one with
+            ``no_dist=True``); ``unickpt.collectives.THIS_PROCESS`` saves this process alone.
         storage_options: passed to the fsspec filesystem.
+        overwrite: False refuses a path that already holds a committed checkpoint
+            (:class:`unickpt.CheckpointExistsError`), like ``FileSystemWriter(overwrite=False)``.
 
+    ``dcp.save(..., use_collectives=False)`` makes each rank save alone, into
+    ``<path>/.unickpt-rank-<rank>`` (``dcp.load`` finds it through ``read_metadata(rank=...)``).
     ``dcp.async_save`` uses :meth:`stage` on the caller's thread (a copy of every tensor into
     reused host buffers: ``torch.distributed.checkpoint.staging.DefaultStager``, pinned memory on
     CUDA) and runs the save in its background thread. Raises what :func:`unickpt.save` raises.
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, process_group: Any = None,
-                 storage_options: dict | None = None):
+                 storage_options: dict | None = None, overwrite: bool = True):
         self.path = None if path is None else _path(path)
         self.group = process_group
         self.storage_options = storage_options
+        self.overwrite = overwrite
         self._planner_data: Any = None
         self._stager: Any = None
         self._in_flight = 0  # staged copies not yet written (dcp.async_save calls that have not finished)
         self._lock = threading.Lock()
+        self._save_group: Any = process_group  # the group of the save under way (set_up_storage_writer)
+        self._target: str | None = None  # the checkpoint directory of the save under way
+        self._generation: str | None = None  # its files' subdirectory, agreed by every rank in write_data
         self.save_id = ""
         self.stats: Any = None  # the last save's unickpt SaveStats
 
@@ -143,21 +300,45 @@ class StorageWriter(_DCPWriter, AsyncStager):
         if checkpoint_id is not None:
             self.path = _path(checkpoint_id)
         self._planner_data = None
+        self._generation = None
         self.save_id = uuid.uuid4().hex
 
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, rank: int | None = None,
+                              use_collectives: bool = True, **kwargs: Any) -> None:
+        """Follow ``dcp.save``'s group and mode (see the class docstring) and create that group's
+        engine, collectively, on the caller's thread."""
         self.is_coordinator = is_coordinator
-        get_engine(self.group)  # created collectively here, never first inside a background thread
+        self.save_id = uuid.uuid4().hex  # dcp.save calls reset() only when given a checkpoint_id
+        self._generation = None
+        self._save_group = _dcp_group(self.group, use_collectives)
+        self._target = self.path
+        if not use_collectives and self.path is not None:
+            import torch.distributed as dist
+
+            r = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
+            self._target = Storage(self.path, self.storage_options).join(self.path, RANK_DIR.format(rank=r))
+        get_engine(self._save_group)  # created collectively here, never first inside a background thread
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._planner_data = plan.planner_data
+        if not self.overwrite and self.path is not None:
+            from unickpt.errors import CheckpointExistsError
+            from unickpt.metadata import METADATA_FILE
+
+            target = self._target or self.path
+            storage = Storage(target, self.storage_options)
+            if storage.exists(storage.join(target, METADATA_FILE)):
+                raise CheckpointExistsError(f"{target!r} already holds a committed checkpoint and the writer has "
+                                            "overwrite=False")
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        """Save this rank's items with one collective unickpt save; return their ``WriteResult`` s."""
+        """Save this rank's items with one collective unickpt save into a new generation directory
+        of the checkpoint (committed there; :meth:`finish` makes it the checkpoint); return their
+        ``WriteResult`` s."""
         try:
             return self._write_data(plan, planner)
         finally:
@@ -167,9 +348,11 @@ class StorageWriter(_DCPWriter, AsyncStager):
     def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         if self.path is None:
             raise ValueError("StorageWriter: no checkpoint path (pass it to StorageWriter(path) or as checkpoint_id)")
-        state: dict[str, Any] = {}
+        target = self._target or self.path
+        items: dict[str, list[tuple[Any, Any]]] = {}  # state key -> [(leaf, chunk offsets)]
         results = []
         plain: dict[str, Any] = {}  # DCP fqn -> non-tensor value that unickpt stores as a plain (JSON) value
+        shapes: dict[str, list[int]] = {}  # tensor fqn -> whole shape
         local_error = None  # raised on every rank after the exchange below, never before a collective
         try:
             for item in plan.items:
@@ -183,39 +366,51 @@ class StorageWriter(_DCPWriter, AsyncStager):
                         results.append(WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=None))
                         continue
                     key = BYTES_PREFIX + fqn
+                    if key in items:
+                        raise ValueError(f"StorageWriter: the non-tensor item {fqn!r} twice on one rank")
                     leaf = Shard(torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8),
                                  (len(raw),), offsets=(0,))
+                    items[key] = [(leaf, None)]
                     nbytes = len(raw)
                 else:
                     td = item.tensor_data
                     tensor = planner.resolve_data(item).detach()
-                    key = fqn
-                    leaf = Shard(tensor.reshape(tuple(td.chunk.sizes)), tuple(td.size), offsets=tuple(td.chunk.offsets))
+                    offsets = tuple(int(o) for o in td.chunk.offsets)
+                    leaf = Shard(tensor.reshape(tuple(td.chunk.sizes)), tuple(td.size), offsets=offsets)
+                    items.setdefault(fqn, []).append((leaf, offsets))
+                    shapes[fqn] = [int(n) for n in td.size]
                     nbytes = tensor.numel() * tensor.element_size()
-                if key in state:
-                    raise ValueError(f"StorageWriter: {fqn!r} has several chunks on one rank (a ShardedTensor with several "
-                                     "local shards), which unickpt does not store")
-                state[key] = leaf
                 results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
         except Exception as e:
             local_error = f"{type(e).__name__}: {e}"
-        state.update(self._plain_roots(plain, state, local_error))  # never a tensor's fqn (checked there)
-        extra = {"dcp": {"planner_data": _jsonable_mapping(self._planner_data), "save_id": self.save_id}}
-        handle = get_engine(self.group).save(self.path, state, storage_options=self.storage_options,
-                                             framework=FRAMEWORK, extra=extra)
+        several = {fqn for fqn, lst in items.items() if len(lst) > 1}
+        keys = set(items) - several
+        roots, chunked, generation = self._exchange(plain, keys, several, shapes, local_error)
+        state: dict[str, Any] = {}
+        for key, lst in items.items():
+            if key in chunked:  # each chunk a tensor of its own (a ShardedTensor with several local shards somewhere)
+                for leaf, offsets in lst:
+                    t = leaf.tensor
+                    state[_chunk_key(key, offsets)] = Shard(t, tuple(t.shape), offsets=(0,) * t.dim())
+            else:
+                state[key] = lst[0][0]
+        state.update(roots)  # never a tensor's fqn (checked in _exchange)
+        extra = {"dcp": {"planner_data": _jsonable_mapping(self._planner_data), "save_id": generation.rsplit("/", 1)[-1],
+                         "chunked": chunked}}
+        self._generation = generation
+        storage = Storage(target, self.storage_options)
+        handle = get_engine(self._save_group).save(storage.join(target, generation), state,
+                                                   storage_options=self.storage_options, framework=FRAMEWORK, extra=extra)
         self.stats = handle.stats
         return _done(results)
 
-    def _plain_roots(self, plain: dict[str, Any], state: dict[str, Any], local_error: str | None = None) -> dict[str, Any]:
-        """Every rank's plain values (DCP gave each one to a single rank), regrouped the way
-        ``unickpt.save`` stores the same state: each value under the outermost key of its path that
-        holds no tensor (``optim.param_groups`` as one list, ``step``), so that ``unickpt.load`` of
-        ``{"model": model, "optim": optim, "step": 0}`` reads a checkpoint written by ``dcp.save``.
-        One ``all_gather_object`` over the writer's group; every rank returns the same values (the
-        engine stores rank 0's). A rank's ``local_error`` is raised on every rank (ValueError naming
-        the rank), so no rank is left waiting in the save."""
-        import torch.distributed as dist
-
+    def _exchange(self, plain: dict[str, Any], keys: set[str], several: set[str], shapes: dict[str, list[int]],
+                  local_error: str | None) -> tuple[dict[str, Any], dict[str, list[int]], str]:
+        """One ``all_gather_object`` over the save's group: the plain values regrouped
+        (:meth:`_plain_roots`), the tensors some rank holds several chunks of (``{fqn: shape}``,
+        stored chunk by chunk), and group rank 0's generation directory (the same on every rank). A
+        rank's ``local_error`` is raised on every rank (ValueError naming the rank), so no rank is
+        left waiting in the save."""
         mapping = self._planner_data if isinstance(self._planner_data, dict) else {}
 
         def path(fqn: str) -> tuple:
@@ -223,19 +418,28 @@ class StorageWriter(_DCPWriter, AsyncStager):
             return tuple(p) if isinstance(p, (tuple, list)) and p else (fqn,)
 
         blocked = {path(f) for f in mapping if f not in plain}  # tensors and pickled bytes, this rank
-        blocked |= {path(k[len(BYTES_PREFIX):]) if k.startswith(BYTES_PREFIX) else path(k) for k in state}
-        mine = ({f: (path(f), v) for f, v in plain.items()}, blocked, local_error)
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            every: list = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(every, mine, group=self.group)
-        else:
-            every = [mine]
-        failed = [(rank, err) for rank, (_, _, err) in enumerate(every) if err]
+        blocked |= {path(k[len(BYTES_PREFIX):]) if k.startswith(BYTES_PREFIX) else path(k) for k in keys | several}
+        mine = ({f: (path(f), v) for f, v in plain.items()}, blocked, local_error,
+                {f: shapes[f] for f in several}, f"{GENERATIONS_DIR}/{self.save_id}")
+        every = _all_gather(self._save_group, mine)
+        failed = [(rank, e[2]) for rank, e in enumerate(every) if e[2]]
         if failed:
             raise ValueError(f"StorageWriter: nothing saved to {self.path!r}; rank {failed[0][0]} failed: {failed[0][1]}")
+        chunked: dict[str, list[int]] = {}
+        for e in every:
+            chunked.update(e[3])
+        return self._plain_roots(every), dict(sorted(chunked.items())), every[0][4]
+
+    def _plain_roots(self, every: list) -> dict[str, Any]:
+        """Every rank's plain values (DCP gave each one to a single rank), regrouped the way
+        ``unickpt.save`` stores the same state: each value under the outermost key of its path that
+        holds no tensor (``optim.param_groups`` as one list, ``step``), so that ``unickpt.load`` of
+        ``{"model": model, "optim": optim, "step": 0}`` reads a checkpoint written by ``dcp.save``.
+        ``every``: each rank's ``(values, blocked paths, ...)`` from :meth:`_exchange`; every rank
+        returns the same values (the engine stores rank 0's)."""
         values: dict[str, tuple[tuple, Any]] = {}
         blocked = set()
-        for vals, blk, _ in every:
+        for vals, blk, *_ in every:
             for f, pv in vals.items():
                 values.setdefault(f, pv)
             blocked |= blk
@@ -260,7 +464,32 @@ class StorageWriter(_DCPWriter, AsyncStager):
         return {k: restore_empty_optim_state(_listify(v)) for k, v in roots.items()}
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Nothing left: every rank's bytes were committed by the unickpt save in :meth:`write_data`."""
+        """DCP's commit point (the coordinator, once every rank has written; every rank with
+        ``use_collectives=False``): the generation committed by :meth:`write_data` becomes the
+        checkpoint at the path (one atomic replace of ``metadata.json``), the checkpoint it replaces
+        and the leftovers of failed or killed saves (other generations whose writer process is gone)
+        are removed."""
+        if self._generation is None:
+            raise RuntimeError("StorageWriter.finish: no save was written (write_data did not run)")
+        from unickpt.metadata import writer_alive
+
+        target = self._target or self.path
+        assert target is not None
+        storage = Storage(target, self.storage_options)
+        _commit_generation(storage, target, self._generation)
+        gens = storage.join(target, GENERATIONS_DIR)
+        current = self._generation.rsplit("/", 1)[-1]
+        try:
+            names = [n.rstrip("/").rsplit("/", 1)[-1] for n in storage.listdir(gens)]
+        except FileNotFoundError:
+            names = []
+        for name in names:
+            d = storage.join(gens, name)
+            if name != current and not writer_alive(storage, d):
+                try:
+                    storage.rm(d)
+                except FileNotFoundError:
+                    pass
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -279,7 +508,7 @@ class StorageWriter(_DCPWriter, AsyncStager):
         goes into fresh buffers instead, so the earlier checkpoint keeps the values it staged)."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        get_engine(self.group)  # on the caller's thread, collectively
+        get_engine(_dcp_group(self.group))  # on the caller's thread, collectively
         cuda = torch.cuda.is_available()
         options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
                                  use_non_blocking_copy=cuda)
@@ -310,13 +539,18 @@ class StorageReader(_DCPReader):
 
     Args:
         path: the checkpoint directory (or ``checkpoint_id`` of ``dcp.load``).
-        process_group: the ranks taking part (default: world); the same group as ``dcp.load``'s.
+        process_group: the ranks taking part when ``dcp.load`` is given none (default: the world);
+            ``dcp.load``'s own group wins (a world of one with ``no_dist=True``), as for
+            :class:`StorageWriter`.
         storage_options: passed to the fsspec filesystem.
         verify: check every byte read against its checksum block.
 
     Plain values of a checkpoint written by ``unickpt.save`` are offered to DCP as bytes items (JSON
-    decoded, then ``torch.save`` d for DCP's ``load_bytes``); per-rank state is not offered. Raises
-    what :func:`unickpt.load` raises (CheckpointNotFoundError, IntegrityError, ...).
+    decoded, then ``torch.save`` d for DCP's ``load_bytes``); per-rank state is not offered. A
+    ``dcp.save(..., use_collectives=False)`` checkpoint is read per rank (``read_metadata(rank=r)``,
+    which DCP calls when the path holds no checkpoint of the whole group). Raises what
+    :func:`unickpt.load` raises (CheckpointNotFoundError, IntegrityError, ...); a target of another
+    dtype than the stored one raises TypeError (never cast).
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, process_group: Any = None,
@@ -327,6 +561,8 @@ class StorageReader(_DCPReader):
         self.verify = verify
         self.meta: CheckpointMetadata | None = None
         self._plain: dict[str, Any] | None = None
+        self._target: str | None = None  # the directory read: path, or a rank's own (use_collectives=False)
+        self._load_group: Any = process_group
         self.load_id = ""
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -334,28 +570,49 @@ class StorageReader(_DCPReader):
             self.path = _path(checkpoint_id)
         self.meta = None
         self._plain = None
+        self._target = None
         self.load_id = uuid.uuid4().hex
+
+    def _dir(self) -> str:
+        if self.path is None:
+            raise ValueError("StorageReader: no checkpoint path (pass it to StorageReader(path) or as checkpoint_id)")
+        return self._target or self.path
 
     def _meta(self) -> CheckpointMetadata:
         if self.meta is None:
-            if self.path is None:
-                raise ValueError("StorageReader: no checkpoint path (pass it to StorageReader(path) or as checkpoint_id)")
-            storage = Storage(self.path, self.storage_options)
-            if is_dcp_checkpoint(storage, self.path):
-                raise ValueError(f"{self.path!r} was written by DCP's own FileSystemWriter (.metadata, no metadata.json); "
+            path = self._dir()
+            storage = Storage(path, self.storage_options)
+            if is_dcp_checkpoint(storage, path):
+                raise ValueError(f"{path!r} was written by DCP's own FileSystemWriter (.metadata, no metadata.json); "
                                  "unickpt.fsdp.StorageReader reads unickpt checkpoints: load it with dcp.load's default "
                                  "reader, or with unickpt.load(path, state, allow_pickle=True)")
-            self.meta = read_metadata(storage, self.path)
+            self.meta = read_metadata(storage, path)
         return self.meta
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: Any, rank: int | None = None, **kwargs: Any) -> Metadata:
         """DCP metadata derived from ``metadata.json``: one chunk per stored box (flat ranges split
-        into their row-major boxes), bytes entries for DCP non-tensor items and plain values."""
+        into their row-major boxes; a tensor stored chunk by chunk as its chunks), bytes entries for
+        DCP non-tensor items and plain values. ``rank``: read that rank's own checkpoint (written
+        with ``use_collectives=False``). Raises CheckpointNotFoundError when there is none."""
+        if rank is not None:
+            assert self.path is not None
+            self._target = Storage(self.path, self.storage_options).join(self.path, RANK_DIR.format(rank=rank))
+            self.meta = None
+            self._plain = None
         meta = self._meta()
+        chunked = (meta.extra.get("dcp") or {}).get("chunked") or {}
         sdm: dict[str, Any] = {}
         for fqn, tm in meta.tensors.items():
             if fqn.startswith(BYTES_PREFIX):
                 sdm[fqn[len(BYTES_PREFIX):]] = BytesStorageMetadata()
+                continue
+            if fqn.startswith(CHUNK_PREFIX):
+                whole, offsets = _parse_chunk_key(fqn)
+                entry = sdm.get(whole)
+                if entry is None:
+                    entry = sdm[whole] = TensorStorageMetadata(TensorProperties(dtype=str_to_dtype(tm.dtype)),
+                                                               torch.Size(chunked[whole]), [])
+                entry.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(tm.shape)))
                 continue
             chunks = [ChunkStorageMetadata(torch.Size(p.box.offsets), torch.Size(p.box.lengths))
                       for c in tm.chunks for p in chunk_pieces(c.spec, tm.shape)]
@@ -371,11 +628,13 @@ class StorageReader(_DCPReader):
                         storage_meta=StorageMeta(checkpoint_id=self.path, load_id=self.load_id))
 
     def _objects(self) -> dict[str, Any]:
-        """Plain values of a checkpoint written by ``unickpt.save``, decoded (never unpickled) and keyed
-        the way DCP flattens a state dict (``torch.distributed.checkpoint._nested_dict.flatten_state_dict``)."""
+        """Plain values of the checkpoint, decoded (never unpickled) and keyed the way DCP flattens a
+        state dict (``torch.distributed.checkpoint._nested_dict.flatten_state_dict``): both per
+        element (``optim.param_groups.0.lr``, torch >= 2.4) and per container (``optim.param_groups``,
+        the keys of torch <= 2.3). DCP's load planner falls back to the latter whenever the checkpoint
+        has keys the state to load lacks (FSDP1 ranks that hold no element of a parameter), and then
+        needs them (else "Missing key in checkpoint state_dict: optim.param_groups")."""
         if self._plain is None:
-            from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
             from unickpt import codec
             from unickpt.errors import UnsafeObjectError
 
@@ -386,13 +645,16 @@ class StorageReader(_DCPReader):
                     decoded[fqn] = codec.decode(enc, allow_pickle=False, key=fqn)
                 except UnsafeObjectError:
                     continue  # a pickled value: not offered to DCP
-            self._plain = flatten_state_dict(decoded)[0] if decoded else {}
+            self._plain = _flatten_both(decoded) if decoded else {}
         return self._plain
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, rank: int | None = None,
+                              use_collectives: bool = True, **kwargs: Any) -> None:
+        """Follow ``dcp.load``'s group and mode and create that group's engine, collectively."""
         self.is_coordinator = is_coordinator
+        self._load_group = _dcp_group(self.group, use_collectives)
         self._meta()
-        get_engine(self.group)
+        get_engine(self._load_group)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -400,30 +662,65 @@ class StorageReader(_DCPReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    def _source(self, item: Any) -> tuple[str, list[int]]:
+        """The stored tensor an item reads from and the lower corner of its box in that tensor."""
+        meta = self._meta()
+        fqn = item.storage_index.fqn
+        source = meta.aliases.get(fqn, fqn)
+        if source not in meta.tensors and item.storage_index.offset is not None:
+            key = _chunk_key(source, item.storage_index.offset)
+            if key in meta.tensors:  # stored chunk by chunk: the box is relative to the chunk
+                return key, [int(s) for s in item.storage_offsets]
+        return source, [o + s for o, s in zip(item.storage_index.offset, item.storage_offsets)]
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         """Read this rank's items with one collective unickpt load (every rank calls it, with or
-        without items): per tensor, the bounding box of its items is loaded (resharded, verified)
-        into a buffer, then each item's box is copied into DCP's target."""
+        without items): per stored tensor, the bounding box of its items is loaded (resharded,
+        verified): straight into DCP's target when one item covers it (a contiguous target of the
+        stored dtype), else into a buffer from which each item's box is copied."""
         meta = self._meta()
         objects = self._objects()
-        boxes: dict[str, list[int]] = {}  # stored fqn (aliases resolved) -> bounding box lo + hi
-        for item in plan.items:
+        boxes: dict[str, list[int]] = {}  # stored key -> bounding box lo + hi
+        count: dict[str, int] = {}
+        sources = {}
+        for i, item in enumerate(plan.items):
             if item.type == LoadItemType.BYTE_IO:
                 continue
-            source = meta.aliases.get(item.storage_index.fqn, item.storage_index.fqn)
-            lo = [o + s for o, s in zip(item.storage_index.offset, item.storage_offsets)]
+            source, lo = sources[i] = self._source(item)
             hi = [a + n for a, n in zip(lo, item.lengths)]
             old = boxes.get(source)
             nd = len(lo)
+            count[source] = count.get(source, 0) + 1
             boxes[source] = lo + hi if old is None else (
                 [min(a, b) for a, b in zip(old[:nd], lo)] + [max(a, b) for a, b in zip(old[nd:], hi)])
+        # DCP's own readers copy_ into the target, casting silently; unickpt never casts (raised after the
+        # collective load below, so that no rank is left waiting)
+        mismatch = None
+        direct: dict[int, torch.Tensor] = {}  # item index -> target the bytes are read into
+        for i, item in sorted(((i, it) for i, it in enumerate(plan.items) if it.type != LoadItemType.BYTE_IO),
+                              key=lambda x: x[1].storage_index.fqn):
+            source, lo = sources[i]
+            stored, target = str_to_dtype(meta.tensors[source].dtype), planner.resolve_tensor(item)
+            if target.dtype != stored:
+                mismatch = mismatch or TypeError(
+                    f"{item.storage_index.fqn!r}: the checkpoint {self._dir()!r} stores {stored}, the state to load "
+                    f"into has {target.dtype}; unickpt never casts on load (convert after loading)")
+                continue
+            target = target.detach()
+            if (count[source] == 1 and target.device.type == "cpu" and target.is_contiguous()
+                    and list(target.shape) == [int(n) for n in item.lengths]):
+                direct[i] = target
         state: dict[str, Any] = {}
         buffers: dict[str, tuple[torch.Tensor, list[int]]] = {}
+        direct_sources = {sources[i][0]: i for i in direct}
         for source, box in boxes.items():
             tm = meta.tensors[source]
             nd = len(tm.shape)
             lo, hi = box[:nd], box[nd:]
-            buf = torch.empty([b - a for a, b in zip(lo, hi)], dtype=str_to_dtype(tm.dtype))
+            if source in direct_sources:
+                buf = direct[direct_sources[source]]
+            else:
+                buf = torch.empty([b - a for a, b in zip(lo, hi)], dtype=str_to_dtype(tm.dtype))
             state[source] = Shard(buf, tm.shape, offsets=lo)
             buffers[source] = (buf, lo)
         for item in plan.items:
@@ -434,18 +731,15 @@ class StorageReader(_DCPReader):
             if key in meta.tensors:
                 state[key] = torch.empty(meta.tensors[key].shape, dtype=torch.uint8)
             elif fqn not in objects:
-                raise KeyError(f"{fqn!r}: not in the checkpoint {self.path!r}")
-        get_engine(self.group).load(self.path, state, strict=False, storage_options=self.storage_options,
-                                    verify=self.verify)
-        # DCP's own readers copy_ into the target, casting silently; unickpt never casts (every rank has
-        # joined the collective load above, so raising here cannot leave a rank waiting)
-        for item in sorted((i for i in plan.items if i.type != LoadItemType.BYTE_IO), key=lambda i: i.storage_index.fqn):
-            fqn = item.storage_index.fqn
-            stored, target = str_to_dtype(meta.tensors[meta.aliases.get(fqn, fqn)].dtype), planner.resolve_tensor(item)
-            if target.dtype != stored:
-                raise TypeError(f"{fqn!r}: the checkpoint {self.path!r} stores {stored}, the state to load into "
-                                f"has {target.dtype}; unickpt never casts on load (convert after loading)")
-        for item in plan.items:
+                raise KeyError(f"{fqn!r}: not in the checkpoint {self._dir()!r}")
+        if mismatch is None:
+            get_engine(self._load_group).load(self._dir(), state, strict=False, storage_options=self.storage_options,
+                                              verify=self.verify)
+        else:  # every rank joins the collective load, with nothing to read here, then raises
+            get_engine(self._load_group).load(self._dir(), {}, strict=False, storage_options=self.storage_options,
+                                              verify=self.verify)
+            raise mismatch
+        for i, item in enumerate(plan.items):
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
                 key = BYTES_PREFIX + fqn
@@ -457,10 +751,14 @@ class StorageReader(_DCPReader):
                     raw = stream.getvalue()
                 planner.load_bytes(item, io.BytesIO(raw))
                 continue
-            buf, lo = buffers[meta.aliases.get(fqn, fqn)]
+            if i in direct:
+                planner.commit_tensor(item, direct[i])
+                continue
+            source, lo_item = sources[i]
+            buf, lo = buffers[source]
             src = buf
-            for d, (o, s, n) in enumerate(zip(item.storage_index.offset, item.storage_offsets, item.lengths)):
-                src = src.narrow(d, o + s - lo[d], n)
+            for d, (a, n) in enumerate(zip(lo_item, item.lengths)):
+                src = src.narrow(d, a - lo[d], n)
             target = planner.resolve_tensor(item).detach()
             if target.shape != src.shape:
                 raise ValueError(f"{fqn!r}: DCP target of shape {list(target.shape)} for a stored box of shape "
