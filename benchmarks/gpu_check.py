@@ -820,46 +820,16 @@ def phase_d2h(ctx: Ctx, budget: Budget) -> dict:
 
 # -- phase: train -------------------------------------------------------------------------------------------
 def _gpt(ctx: Ctx):
-    torch = ctx.torch
-    import torch.nn.functional as F
-    from torch import nn
+    from save_load import gpt_model  # the benchmarks' GPT-like model (benchmarks/ is on sys.path)
 
+    torch = ctx.torch
     a = ctx.args
     d, vocab = a.hidden, a.vocab
     heads = max(1, d // 128) if d >= 128 else 1
     layers = max(1, round((a.train_params_b * 1e9 - 2 * vocab * d) / (12 * d * d + 13 * d)))
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-        def forward(self, x):
-            b, t, _ = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-            x = x + self.proj(y)
-            return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(vocab, d)
-            self.blocks = nn.ModuleList([Block() for _ in range(layers)])
-            self.ln_f = nn.LayerNorm(d)
-            self.head = nn.Linear(d, vocab, bias=False)
-
-        def forward(self, idx):
-            x = self.emb(idx)
-            for blk in self.blocks:
-                x = blk(x)
-            return self.head(self.ln_f(x))
-
     torch.manual_seed(0)
     with torch.device(ctx.device):
-        m = GPT()
+        m = gpt_model(d, heads, layers, vocab)
     m.to(torch.bfloat16)
     return m, layers
 

@@ -169,12 +169,12 @@ _BENCH: dict[str, Any] = {}
 _BENCH_LAST: dict[str, str] = {}  # system -> the save scenario's last checkpoint (for the load scenario)
 
 
-def _gpt(cfg: dict):
-    import torch
+def gpt_model(d: int, heads: int, layers: int, vocab: int):
+    """The benchmarks' GPT-like model (also used by ``gpu_check.py``): ``layers`` pre-norm blocks of
+    causal attention (``heads`` heads) and a 4x GELU MLP at width ``d``, a ``vocab`` embedding and an
+    untied output layer; about ``12 d^2 + 13 d`` parameters per block plus ``2 vocab d``."""
     import torch.nn.functional as F
     from torch import nn
-
-    d, heads = cfg["hidden"], max(1, cfg["hidden"] // 64)
 
     class Block(nn.Module):
         def __init__(self):
@@ -191,7 +191,7 @@ def _gpt(cfg: dict):
             return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
     class GPT(nn.Module):
-        def __init__(self, layers: int, vocab: int):
+        def __init__(self):
             super().__init__()
             self.emb = nn.Embedding(vocab, d)
             self.blocks = nn.ModuleList([Block() for _ in range(layers)])
@@ -204,10 +204,14 @@ def _gpt(cfg: dict):
                 x = blk(x)
             return self.head(self.ln_f(x))
 
-    vocab = 8192
+    return GPT()
+
+
+def _gpt(cfg: dict):
+    d, vocab = cfg["hidden"], 8192
     params = cfg["size_gb"] * 1e9 / 12  # fp32 params + two fp32 AdamW moments
     layers = max(1, round((params - 2 * vocab * d) / (12 * d * d + 13 * d)))
-    return GPT(layers, vocab), layers, vocab
+    return gpt_model(d, max(1, d // 64), layers, vocab), layers, vocab
 
 
 class Bench:
