@@ -129,11 +129,7 @@ def _write_local_atomic(path: str, chunks: list) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         try:
-            for chunk in chunks:
-                view = memoryview(chunk).cast("B")
-                while view:
-                    view = view[os.write(fd, view):]
-            os.fsync(fd)
+            _write_all(fd, chunks)
             if tmp is None:
                 name = temp_name(final)
                 try:
@@ -158,16 +154,21 @@ def _write_local_atomic(path: str, chunks: list) -> None:
     _fsync_dir(parent)
 
 
+def _write_all(fd: int, chunks: list) -> None:
+    """Write every chunk (bytes-like) to ``fd`` in order, then fsync it."""
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while view:
+            view = view[os.write(fd, view):]
+    os.fsync(fd)
+
+
 def _write_named(final: str, chunks: list) -> None:
     tmp = temp_name(final)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            for chunk in chunks:
-                view = memoryview(chunk).cast("B")
-                while view:
-                    view = view[os.write(fd, view):]
-            os.fsync(fd)
+            _write_all(fd, chunks)
         finally:
             os.close(fd)
         os.replace(tmp, final)
