@@ -344,6 +344,7 @@ class Engine:
                 handle.error_reported = True  # raised here, not again by the engine's wait()
                 with self._lock:
                     self._pending = [h for h in self._pending if h is not handle]
+                handle._future.exception()  # its commit-thread part is over: the path is no longer in flight
                 raise job.plan_error
         stats.stall_s = time.perf_counter() - t0
         if not async_save:

@@ -113,6 +113,9 @@ def run(mode: str, source: str, timeout_s: float = 1800.0, files: list[str] | No
     present = [f for f in (files or FILES) if os.path.isfile(os.path.join(source, f))]
     if not present:
         raise FileNotFoundError(f"{source!r} holds none of {files or FILES} (PyTorch's test/distributed/checkpoint files)")
+    if subprocess.run([sys.executable, "-c", "import expecttest"], capture_output=True).returncode:
+        # torch.testing._internal's test-only import (not a dependency of the product)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "expecttest"], check=True)
     out = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failed_tests": [], "passed_tests": []}
     with tempfile.TemporaryDirectory(prefix="torch-dcp-suite-") as scratch:
         env = _env(mode, scratch)
