@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from unickpt import Shard
+from unickpt.state import sharded_tensor_shard
 
 from .flat import FlatUnit, ParamSlice, fsdp1_units, is_fsdp1, module_buffers, unmanaged_params
 
@@ -347,14 +348,7 @@ def _to_leaves(sd: Any, fqn: str = "") -> Any:
         return Shard(local, tuple(sd.shape), offsets=tuple(offset))
 
     if isinstance(sd, ShardedTensor):
-        shape = tuple(sd.size())
-        shards = sd.local_shards()
-        if len(shards) > 1:
-            raise ValueError(f"{fqn!r}: a ShardedTensor with {len(shards)} local shards on one rank is not supported")
-        if not shards:  # this rank holds no row: an empty box
-            empty = torch.empty((0,) + shape[1:], dtype=sd.dtype) if shape else torch.empty(0, dtype=sd.dtype)
-            return Shard(empty, shape, offsets=(0,) * len(shape))
-        return Shard(shards[0].tensor, shape, offsets=tuple(shards[0].metadata.shard_offsets))
+        return sharded_tensor_shard(sd, fqn)
     if isinstance(sd, dict):
         return {k: _to_leaves(v, f"{fqn}.{k}" if fqn else str(k)) for k, v in sd.items()}
     return sd
