@@ -2,10 +2,15 @@
 
 Public surface::
 
-    unickpt.save(path, state, async_save=False, process_group=None, storage_options=None) -> SaveHandle
-    unickpt.load(path, state, strict=True, process_group=None, storage_options=None)
+    unickpt.save(path, state, async_save=False, process_group=None, storage_options=None, options=None) -> SaveHandle
+    unickpt.load(path, state, strict=True, process_group=None, storage_options=None, options=None) -> LoadStats
     unickpt.Checkpointer(root, keep_last=None, async_save=True, ...)
     unickpt.Shard, unickpt.PerRank, unickpt.RNGState
+    unickpt.SaveOptions, unickpt.LoadOptions
+
+Framework plugins use :mod:`unickpt.ext`. The package is laid out by layer (docs/design.md):
+``state`` -> ``plan`` -> ``saving`` / ``loading`` -> ``format`` / ``storage`` / ``dist``, with
+``lifecycle`` (directory rules) beside them and ``tools`` (the ``unickpt`` command) on top.
 
 The names are imported lazily (PEP 562 module ``__getattr__``): ``import unickpt`` itself does not import
 torch, so the startup hook (:mod:`unickpt._startup`, run from a ``.pth`` file in every interpreter) and the
@@ -25,14 +30,16 @@ _EXPORTS = {
     "load": ".api",
     "Checkpointer": ".checkpointer",
     "list_checkpoints": ".checkpointer",
-    "SaveHandle": ".engine",
-    "SaveStats": ".engine",
-    "LoadStats": ".reader",
-    "Shard": ".types",
-    "PerRank": ".types",
-    "RNGState": ".rng",
-    "CheckpointMetadata": ".metadata",
-    "FORMAT_VERSION": ".metadata",
+    "SaveOptions": ".options",
+    "LoadOptions": ".options",
+    "SaveHandle": ".saving.request",
+    "SaveStats": ".saving.request",
+    "LoadStats": ".loading.stats",
+    "Shard": ".state.leaves",
+    "PerRank": ".state.leaves",
+    "RNGState": ".state.rng",
+    "CheckpointMetadata": ".format.metadata",
+    "FORMAT_VERSION": ".format.metadata",
     "UnickptError": ".errors",
     "CheckpointNotFoundError": ".errors",
     "CheckpointExistsError": ".errors",
@@ -42,6 +49,7 @@ _EXPORTS = {
     "IntegrityError": ".errors",
     "PerRankReshardError": ".errors",
     "UnsafeObjectError": ".errors",
+    "RankFailuresError": ".errors",
     "SaveFailedError": ".errors",
     "LoadFailedError": ".errors",
 }
@@ -57,11 +65,14 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from .api import load, save
     from .checkpointer import Checkpointer, list_checkpoints
-    from .engine import SaveHandle, SaveStats
     from .errors import (CheckpointExistsError, CheckpointNotFoundError, FormatVersionError, IntegrityError,
-                         LoadFailedError, PerRankReshardError, ReplicaMismatchError, SaveFailedError,
-                         StateMismatchError, UnickptError, UnsafeObjectError)
-    from .metadata import FORMAT_VERSION, CheckpointMetadata
-    from .reader import LoadStats
-    from .rng import RNGState
-    from .types import PerRank, Shard
+                         LoadFailedError, PerRankReshardError, RankFailuresError, ReplicaMismatchError,
+                         SaveFailedError, StateMismatchError, UnickptError, UnsafeObjectError)
+    from .format.metadata import FORMAT_VERSION, CheckpointMetadata
+    from .loading.stats import LoadStats
+    from .options import LoadOptions, SaveOptions
+    from .saving.request import SaveHandle, SaveStats
+    from .state.leaves import PerRank, Shard
+    from .state.rng import RNGState
+
+from . import _compat  # noqa: E402,F401 - the pre-0.2 module paths, deprecated (imports nothing heavy)

@@ -5,14 +5,15 @@ import os
 from typing import Any
 
 from .engine import SaveHandle, get_engine
-from .reader import LoadStats
+from .loading.stats import LoadStats
+from .options import LoadOptions, SaveOptions
 
 __all__ = ["save", "load"]
 
 
 def save(path: str | os.PathLike, state: dict, *, async_save: bool = False, process_group: Any = None,
          storage_options: dict | None = None, step: int | None = None, framework: str | None = None,
-         allow_pickle: bool = False) -> SaveHandle:
+         allow_pickle: bool = False, options: SaveOptions | None = None) -> SaveHandle:
     """Save ``state`` to the directory ``path``; collective over ``process_group`` (default: world).
 
     Args:
@@ -30,6 +31,8 @@ def save(path: str | os.PathLike, state: dict, *, async_save: bool = False, proc
         allow_pickle: store plain values of classes that have no JSON or tensor form as pickles
             (loading them then needs ``allow_pickle=True`` too). Off: such a value raises
             UnsafeObjectError naming its key.
+        options: how this save runs (:class:`~unickpt.SaveOptions`: staging ring size, snapshot mode,
+            writer, flat-range merging, two-tier upload, ...); default: the group engine's defaults.
 
     Returns:
         a :class:`SaveHandle`; ``wait()`` blocks until committed and raises the save's error.
@@ -41,12 +44,12 @@ def save(path: str | os.PathLike, state: dict, *, async_save: bool = False, proc
     """
     return get_engine(process_group).save(os.fspath(path), state, async_save=async_save,
                                           storage_options=storage_options, step=step, framework=framework,
-                                          allow_pickle=allow_pickle)
+                                          allow_pickle=allow_pickle, options=options)
 
 
 def load(path: str | os.PathLike, state: dict, *, strict: bool = True, process_group: Any = None,
-         storage_options: dict | None = None, allow_pickle: bool = False, verify: bool = True,
-         redistribute: bool | None = None) -> LoadStats:
+         storage_options: dict | None = None, allow_pickle: bool = False, verify: bool | None = None,
+         redistribute: bool | None = None, options: LoadOptions | None = None) -> LoadStats:
     """Load the checkpoint at ``path`` into ``state`` in place, resharding to the current layout.
 
     Collective over ``process_group``. Tensors (and DTensor / Shard local shards) are filled in
@@ -60,11 +63,13 @@ def load(path: str | os.PathLike, state: dict, *, strict: bool = True, process_g
         allow_pickle: allow objects that were stored as pickles (arbitrary classes) to be
             unpickled. Off by default: unpickling can execute code.
         verify: check every byte used against its checksum block (partial reads are widened to
-            whole blocks of at least 1 MiB; small chunks are read whole).
+            whole blocks of at least 1 MiB; small chunks are read whole). Default True.
         redistribute: read each stored byte once job-wide and send it over the group to the other
             ranks that need it (zero-redundancy loading). Default: on for remote (fsspec) storage or
             ranks on several hosts, off for local storage on one host, where the page cache already
             reads each byte from the device once. ``UNICKPT_LOAD_REDISTRIBUTE=0/1`` overrides.
+        options: how this load runs (:class:`~unickpt.LoadOptions`: ``verify``, ``redistribute``,
+            read buffer and read threads); ``verify`` / ``redistribute`` given here override it.
 
     Returns:
         this rank's :class:`~unickpt.LoadStats` (bytes read from storage, bytes received and sent
@@ -80,4 +85,5 @@ def load(path: str | os.PathLike, state: dict, *, strict: bool = True, process_g
         UnsafeObjectError: a pickled object and ``allow_pickle=False``.
     """
     return get_engine(process_group).load(os.fspath(path), state, strict=strict, storage_options=storage_options,
-                                          allow_pickle=allow_pickle, verify=verify, redistribute=redistribute)
+                                          allow_pickle=allow_pickle, verify=verify, redistribute=redistribute,
+                                          options=options)

@@ -1,32 +1,19 @@
-"""``Checkpointer``: numbered checkpoints under one root, ``latest``, retention, async saves."""
+"""``Checkpointer``: numbered checkpoints of one run under a root, ``latest``, retention, async saves.
+
+The directory rules (``step_<N>``, ``latest``, retention) are :class:`~unickpt.lifecycle.root.CheckpointRoot`'s;
+saves and loads go through the group's engine with this checkpointer's options.
+"""
 from __future__ import annotations
 
 import os
-import re
-from typing import Any
+from typing import Any, Callable
 
 from .engine import SaveHandle, get_engine
-from .metadata import METADATA_FILE, is_incomplete_checkpoint, writer_alive
-from .storage import Storage
+from .lifecycle.directory import is_committed
+from .lifecycle.root import CheckpointRoot, list_checkpoints
+from .options import LoadOptions, SaveOptions
 
 __all__ = ["Checkpointer", "list_checkpoints"]
-
-# the names this package writes (``step_{int(step)}``) only: ``step_01`` is not one; read as step 1 it
-# would alias ``step_1``, and retention could remove the other directory under that step's name
-STEP_DIR = re.compile(r"^step_(0|[1-9][0-9]*)$")
-LATEST_FILE = "latest"
-
-
-def list_checkpoints(root: str, storage_options: dict | None = None) -> list[tuple[int, bool]]:
-    """``[(step, committed), ...]`` for every ``step_<N>`` directory under ``root`` (``N`` without
-    leading zeros, as :class:`Checkpointer` names them), by step."""
-    storage = Storage(root, storage_options)
-    out = []
-    for name in storage.listdir(root):
-        m = STEP_DIR.match(name)
-        if m:
-            out.append((int(m.group(1)), storage.exists(storage.join(root, name, METADATA_FILE))))
-    return sorted(out)
 
 
 class Checkpointer:
@@ -49,11 +36,16 @@ class Checkpointer:
             it to ``root`` in the save's background pipeline (the remote copy is committed first,
             then the local one; ``latest`` and retention are kept in both). Loads prefer a
             committed local copy and fall back to ``root``.
+        save_options, load_options: how this checkpointer's saves and loads run
+            (:class:`~unickpt.SaveOptions`, :class:`~unickpt.LoadOptions`; default: the engine's).
+        on_commit: ``on_commit(step)`` runs on group rank 0 after each commit, once ``latest`` and
+            retention are done (for a framework's own rotation, say). Its errors are logged.
     """
 
     def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None, async_save: bool = True,
                  process_group: Any = None, storage_options: dict | None = None, allow_pickle: bool = False,
-                 local_root: str | os.PathLike | None = None):
+                 local_root: str | os.PathLike | None = None, save_options: SaveOptions | None = None,
+                 load_options: LoadOptions | None = None, on_commit: Callable[[int], None] | None = None):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         self.root = os.fspath(root)
@@ -61,21 +53,20 @@ class Checkpointer:
         self.async_save = async_save
         self.storage_options = storage_options
         self.allow_pickle = allow_pickle
-        self._storage = Storage(self.root, storage_options)
+        self.save_options, self.load_options = save_options, load_options
+        self.on_commit = on_commit
+        self._root = CheckpointRoot(self.root, storage_options)
         self.local_root = None if local_root is None else os.fspath(local_root)
-        self._local = None if local_root is None else Storage(self.local_root)
+        self._local = None if local_root is None else CheckpointRoot(self.local_root)
         self._engine = get_engine(process_group)
         self._closed = False
 
     def path_for(self, step: int) -> str:
-        return self._storage.join(self.root, f"step_{int(step)}")
+        return self._root.path(int(step))
 
-    def _tiers(self) -> list[tuple[Storage, str, dict | None]]:
-        """(storage, root, storage options) of each tier, remote first."""
-        tiers = [(self._storage, self.root, self.storage_options)]
-        if self._local is not None:
-            tiers.append((self._local, self.local_root, None))
-        return tiers
+    def _tiers(self) -> list[CheckpointRoot]:
+        """The roots of each tier, remote first."""
+        return [self._root] + ([self._local] if self._local is not None else [])
 
     def save(self, step: int, state: dict, *, async_save: bool | None = None) -> SaveHandle:
         """Save ``state`` as ``step``. Returns when snapshotted (async) or committed (sync).
@@ -91,47 +82,26 @@ class Checkpointer:
         mode = self.async_save if async_save is None else async_save
         if self._local is None:
             return self._engine.save(self.path_for(step), state, async_save=mode, storage_options=self.storage_options,
-                                     step=int(step), on_commit=on_commit, allow_pickle=self.allow_pickle)
-        previous = self._engine.options  # the upload target is this save's, not the engine's
-        self._engine.configure(upload_to=self.root, upload_options=self.storage_options)
-        try:
-            return self._engine.save(self._local.join(self.local_root, f"step_{int(step)}"), state, async_save=mode,
-                                     step=int(step), on_commit=on_commit, allow_pickle=self.allow_pickle)
-        finally:
-            self._engine.options = previous
+                                     step=int(step), on_commit=on_commit, allow_pickle=self.allow_pickle,
+                                     options=self.save_options)
+        # the upload target is this save's option, not the engine's
+        options = (self.save_options or self._engine.options).with_(upload_to=self.root,
+                                                                    upload_options=self.storage_options)
+        return self._engine.save(self._local.path(int(step)), state, async_save=mode, step=int(step),
+                                 on_commit=on_commit, allow_pickle=self.allow_pickle, options=options)
 
     def _after_commit(self, step: int) -> None:
-        """Group rank 0, background thread, after ``step`` committed: ``latest``, then retention.
-
-        ``latest`` names the newest committed step (not necessarily ``step``). Retention deletes the
-        oldest committed steps beyond ``keep_last`` and leftovers of crashed saves older than
-        ``step``, but never a save still in flight (in this process, or in a live process per the
-        directory's writer record) nor a directory holding anything unickpt did not write.
-        """
-        for storage, root, options in self._tiers():
-            self._retain(storage, root, options, step)
-
-    def _retain(self, storage: Storage, root: str, options: dict | None, step: int) -> None:
-        entries = list_checkpoints(root, options)
-        committed = [s for s, ok in entries if ok]
-        if not committed:
-            return
-        storage.write_atomic(storage.join(root, LATEST_FILE), f"step_{max(committed)}".encode())
-        path = lambda s: storage.join(root, f"step_{s}")  # noqa: E731
-        doomed = [s for s, ok in entries if not ok and s < step and not self._engine.in_flight(path(s))
-                  and is_incomplete_checkpoint(storage, path(s)) and not writer_alive(storage, path(s))]
-        if self.keep_last is not None:
-            keep = set(committed[-self.keep_last:]) | {max(committed)}
-            doomed += [s for s in committed if s not in keep]
-        for s in doomed:
-            # uncommit first (metadata.json goes first), so a half-deleted directory is never loadable
-            storage.rm(storage.join(path(s), METADATA_FILE))
-            storage.rm(path(s))
+        """Group rank 0, commit thread, after ``step`` committed: ``latest`` and retention in every tier
+        (:meth:`~unickpt.lifecycle.root.CheckpointRoot.retain`), then ``on_commit(step)``."""
+        for root in self._tiers():
+            root.retain(self.keep_last, step, self._engine.in_flight)
+        if self.on_commit is not None:
+            self.on_commit(step)
 
     def latest_step(self) -> int | None:
         """The newest committed step under ``root`` (and ``local_root``), by scanning for
         ``metadata.json``, or None."""
-        committed = [s for _, root, options in self._tiers() for s, ok in list_checkpoints(root, options) if ok]
+        committed = [s for root in self._tiers() for s in root.committed_steps()]
         return max(committed) if committed else None
 
     def load(self, state: dict, step: int | None = None, *, strict: bool = True,
@@ -148,12 +118,13 @@ class Checkpointer:
                 return None
         path, options = self.path_for(step), self.storage_options
         if self._local is not None:  # prefer the local copy when group rank 0 sees it committed
-            local = self._local.join(self.local_root, f"step_{int(step)}")
-            use_local = self._local.exists(self._local.join(local, METADATA_FILE)) if self._engine.rank == 0 else None
+            local = self._local.path(int(step))
+            use_local = is_committed(self._local.storage, local) if self._engine.rank == 0 else None
             if self._engine.broadcast(use_local):
                 path, options = local, None
         self._engine.load(path, state, strict=strict, storage_options=options,
-                          allow_pickle=self.allow_pickle if allow_pickle is None else allow_pickle)
+                          allow_pickle=self.allow_pickle if allow_pickle is None else allow_pickle,
+                          options=self.load_options)
         return int(step)
 
     def wait(self) -> None:
@@ -171,3 +142,4 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+

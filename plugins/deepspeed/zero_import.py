@@ -12,7 +12,9 @@ import contextlib
 import os
 import sys
 
-__all__ = ["read_zero_checkpoint"]
+from unickpt.ext import Source
+
+__all__ = ["read_zero_checkpoint", "SOURCE"]
 
 
 def read_zero_checkpoint(src: str, tag: str | None = None) -> dict:
@@ -34,3 +36,24 @@ def read_zero_checkpoint(src: str, tag: str | None = None) -> dict:
     with contextlib.redirect_stdout(sys.stderr):  # zero_to_fp32 prints its progress
         state = get_fp32_state_dict_from_zero_checkpoint(src, tag=tag)
     return dict(state)
+
+
+def _detect(src: str) -> bool:
+    """A directory holding ``*model_states.pt``, or DeepSpeed's ``save_dir`` whose ``latest`` tag does."""
+    names = os.listdir(src)
+    if any(n.endswith("model_states.pt") for n in names):
+        return True
+    if "latest" in names:
+        with open(os.path.join(src, "latest")) as f:
+            tag = f.read().strip()
+        tag_dir = os.path.join(src, tag)
+        return os.path.isdir(tag_dir) and any(n.endswith("model_states.pt") for n in os.listdir(tag_dir))
+    return False
+
+
+def _read(src: str, tag: str | None) -> dict:
+    return read_zero_checkpoint(src, tag=tag)
+
+
+SOURCE = Source("deepspeed", _detect, _read, needs_pickle="its *_states.pt files are pickles")
+"""``unickpt import --source deepspeed`` (entry-point group ``unickpt.sources``)."""

@@ -1,0 +1,52 @@
+"""Typed errors that reach every rank: a rank's failure is gathered and raised on all of them.
+
+A collective operation (a load, a DCP migration) must not leave some ranks waiting on a peer that
+has failed: every rank joins one gather of its outcome (:func:`agree`), and where any rank failed
+every rank raises. The failing rank raises its own exception; the others raise the same typed
+unickpt error when the failing ranks agree on one (``StateMismatchError`` stays a
+``StateMismatchError`` everywhere), else :class:`~unickpt.errors.LoadFailedError` naming every
+failed rank with its traceback. Cost: one ``all_gather_object`` (2 collectives) per :func:`agree`.
+"""
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+from ..errors import (CheckpointNotFoundError, FormatVersionError, IntegrityError, LoadFailedError,
+                      PerRankReshardError, StateMismatchError, UnsafeObjectError)
+
+__all__ = ["describe", "raise_failures", "agree"]
+
+_SAME_TYPE_ERRORS = {cls.__name__: cls for cls in (StateMismatchError, IntegrityError, CheckpointNotFoundError,
+                                                     FormatVersionError, PerRankReshardError, UnsafeObjectError)}
+
+
+def describe(e: BaseException | None) -> tuple[str, str, str] | None:
+    """``(type name, message, traceback text)`` of a failure, or None: what a rank contributes to the gather."""
+    if e is None:
+        return None
+    return type(e).__name__, str(e), "".join(traceback.format_exception(type(e), e, e.__traceback__))
+
+
+def raise_failures(path: str, failures: list, local_error: BaseException | None) -> None:
+    """Raise the same error on every rank when any rank failed (``failures``: every rank's
+    :func:`describe`, in group-rank order): the local exception where this rank failed; elsewhere
+    the failing ranks' error type if they agree on one of unickpt's, else LoadFailedError."""
+    failed = {r: f for r, f in enumerate(failures) if f is not None}
+    if not failed:
+        return
+    if local_error is not None:
+        raise local_error
+    kinds = {f[0] for f in failed.values()}
+    first = min(failed)
+    if len(kinds) == 1 and failed[first][0] in _SAME_TYPE_ERRORS:
+        raise _SAME_TYPE_ERRORS[failed[first][0]](f"rank {first}: {failed[first][1]}")
+    raise LoadFailedError(path, {r: f[2] for r, f in failed.items()})
+
+
+def agree(comm: Any, path: str, local_error: BaseException | None, extra: Any = None) -> list:
+    """Gather every rank's outcome (and ``extra``) on ``comm``'s plan group and raise on every rank if
+    any failed (:func:`raise_failures`). Returns every rank's ``extra``, in group-rank order."""
+    gathered = comm.all_gather((describe(local_error), extra), comm.plan_group)
+    raise_failures(path, [g[0] for g in gathered], local_error)
+    return [g[1] for g in gathered]

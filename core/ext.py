@@ -1,0 +1,181 @@
+"""The interface of unickpt's core for framework plugins (``plugins/<framework>/``, ``unickpt.<framework>``).
+
+A plugin imports :mod:`unickpt` (the public names) and this module, nothing else of the core
+(``tests/unit/test_layers.py`` fails otherwise), so the core can change behind it. What it offers:
+
+- **engines**: :func:`engine` gives the :class:`EngineHandle` of a process group (save, load, wait,
+  in-flight paths, the group's rank, and collectives on the caller's thread); :data:`THIS_PROCESS`
+  is a group of this process alone.
+- **checkpoint directories**: :class:`CheckpointRoot` (``step_<N>``, ``latest``, retention), and the
+  rules of one directory: :func:`is_committed`, :func:`is_incomplete_checkpoint`,
+  :func:`writer_alive`, :func:`remove_checkpoint_dir` (uncommit first), :data:`METADATA_FILE`,
+  :data:`WRITER_FILE`; :func:`read_metadata`.
+- **storage**: :func:`open_storage` and :class:`StorageBackend`.
+- **state**: :func:`flatten`, :func:`saved_leaves`, :func:`optimizers_untouched`,
+  :func:`sharded_tensor_shard`; plain values as tagged JSON: :func:`encode`, :func:`decode`;
+  dtype names :func:`dtype_to_str`, :func:`str_to_dtype`; chunk geometry :class:`Box`,
+  :class:`FlatRange`, :func:`chunk_pieces`.
+- **DCP**: :func:`is_dcp_checkpoint`, :func:`restore_empty_optim_state`.
+- **plugin plumbing**: :func:`flag` (a boolean environment switch), :func:`lazy_getattr` (cheap
+  package imports), :class:`Source` (a checkpoint kind for ``unickpt import``).
+
+Names are imported lazily (importing this module imports no torch).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from ._lazy import lazy_getattr
+
+__all__ = ["engine", "default_engine", "EngineHandle", "THIS_PROCESS", "CheckpointRoot", "LATEST_FILE",
+           "step_name", "is_committed", "is_incomplete_checkpoint", "writer_alive", "remove_checkpoint_dir",
+           "METADATA_FILE", "WRITER_FILE", "read_metadata", "CheckpointMetadata", "open_storage", "StorageBackend",
+           "flatten", "saved_leaves", "optimizers_untouched", "sharded_tensor_shard", "encode", "decode",
+           "dtype_to_str", "str_to_dtype", "Box", "FlatRange", "chunk_pieces", "is_dcp_checkpoint",
+           "restore_empty_optim_state", "flag", "lazy_getattr", "Source"]
+
+_EXPORTS = {
+    "THIS_PROCESS": ".dist.comm",
+    "CheckpointRoot": ".lifecycle.root",
+    "LATEST_FILE": ".lifecycle.root",
+    "step_name": ".lifecycle.root",
+    "is_committed": ".lifecycle.directory",
+    "is_incomplete_checkpoint": ".lifecycle.directory",
+    "writer_alive": ".lifecycle.directory",
+    "METADATA_FILE": ".format.layout",
+    "WRITER_FILE": ".format.layout",
+    "CheckpointMetadata": ".format.metadata",
+    "open_storage": ".storage",
+    "StorageBackend": ".storage",
+    "flatten": ".state.flatten",
+    "saved_leaves": ".state.flatten",
+    "optimizers_untouched": ".state.flatten",
+    "sharded_tensor_shard": ".state.flatten",
+    "encode": ".state.codec",
+    "decode": ".state.codec",
+    "dtype_to_str": ".format.dtypes",
+    "str_to_dtype": ".format.dtypes",
+    "Box": ".geometry",
+    "FlatRange": ".geometry",
+    "chunk_pieces": ".geometry",
+    "is_dcp_checkpoint": ".loading.dcp",
+    "restore_empty_optim_state": ".loading.dcp",
+    "Source": ".tools.importers",
+}
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
+
+
+class EngineHandle:
+    """What a plugin may do with the engine of a process group (:func:`engine`).
+
+    Attributes:
+        rank, world_size: this process in the group.
+    """
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+        self.rank, self.world_size = engine.rank, engine.world_size
+
+    def save(self, path: str, state: dict, *, async_save: bool = False, storage_options: dict | None = None,
+             step: int | None = None, framework: str | None = None, extra: dict | None = None,
+             on_commit: Callable[[], None] | None = None, allow_pickle: bool = False, options: Any = None) -> Any:
+        """:func:`unickpt.save` into ``path`` (collective), plus ``framework`` and ``extra`` (recorded in
+        ``metadata.json``) and ``on_commit`` (called on group rank 0 right after the commit, on the
+        commit thread). Returns the :class:`~unickpt.SaveHandle`."""
+        return self._engine.save(path, state, async_save=async_save, storage_options=storage_options, step=step,
+                                 framework=framework, extra=extra, on_commit=on_commit, allow_pickle=allow_pickle,
+                                 options=options)
+
+    def load(self, path: str, state: dict, *, strict: bool = True, storage_options: dict | None = None,
+             allow_pickle: bool = False, verify: bool | None = None, redistribute: bool | None = None,
+             options: Any = None) -> Any:
+        """:func:`unickpt.load` of ``path`` (collective), after this group's pending saves. Returns the
+        :class:`~unickpt.LoadStats`."""
+        return self._engine.load(path, state, strict=strict, storage_options=storage_options,
+                                 allow_pickle=allow_pickle, verify=verify, redistribute=redistribute, options=options)
+
+    def wait(self) -> None:
+        """Block until every pending save of the group has committed; raise the first failure not yet
+        raised by its handle."""
+        self._engine.wait()
+
+    def in_flight(self, path: str) -> bool:
+        """True while a save into ``path`` started by this process on this group has not finished."""
+        return self._engine.in_flight(str(path))
+
+    def broadcast(self, obj: Any) -> Any:
+        """Group rank 0's ``obj`` on every rank (collective, caller's thread)."""
+        return self._engine.broadcast(obj)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in group-rank order (collective, caller's thread)."""
+        return self._engine.all_gather(obj)
+
+    @property
+    def options(self) -> Any:
+        """The group's default :class:`~unickpt.SaveOptions`."""
+        return self._engine.options
+
+    def configure(self, **options: Any) -> Any:
+        """Change the group's default save options (fields of :class:`~unickpt.SaveOptions`)."""
+        return self._engine.configure(**options)
+
+
+def engine(process_group: Any = None) -> EngineHandle:
+    """The :class:`EngineHandle` of ``process_group`` (default: the world; :data:`THIS_PROCESS`: this
+    process alone). Created collectively on first use: every rank of the group must call it first on
+    the same thread order (never first inside a background thread)."""
+    from .engine import get_engine
+
+    return EngineHandle(get_engine(process_group))
+
+
+def default_engine() -> EngineHandle | None:
+    """The default group's engine if it exists already (creates nothing: no collective)."""
+    from .engine import default_engine as existing
+
+    found = existing()
+    return None if found is None else EngineHandle(found)
+
+
+def read_metadata(path: str, storage_options: dict | None = None) -> Any:
+    """The :class:`CheckpointMetadata` of the checkpoint ``path``. Raises CheckpointNotFoundError
+    when it is not committed, FormatVersionError / IntegrityError for a bad file."""
+    from .format.metadata import read_metadata as read
+    from .storage import open_storage
+
+    return read(open_storage(path, storage_options), path)
+
+
+def remove_checkpoint_dir(storage: Any, path: str) -> None:
+    """Remove the checkpoint directory ``path``: ``metadata.json`` first (it is no longer committed),
+    then the tree, so a half-removed directory is never loadable. Entries that vanish meanwhile are fine."""
+    from .lifecycle.directory import remove_dir
+
+    remove_dir(storage, path)
+
+
+def flag(name: str, default: bool) -> bool:
+    """A plugin's boolean switch from the environment: unset or empty gives ``default``; ``0``,
+    ``false``, ``no``, ``off`` (any case) give False; anything else True."""
+    import os
+
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+if TYPE_CHECKING:
+    from .dist.comm import THIS_PROCESS
+    from .format.dtypes import dtype_to_str, str_to_dtype
+    from .format.layout import METADATA_FILE, WRITER_FILE
+    from .format.metadata import CheckpointMetadata
+    from .geometry import Box, FlatRange, chunk_pieces
+    from .lifecycle.directory import is_committed, is_incomplete_checkpoint, writer_alive
+    from .lifecycle.root import LATEST_FILE, CheckpointRoot, step_name
+    from .loading.dcp import is_dcp_checkpoint, restore_empty_optim_state
+    from .state.codec import decode, encode
+    from .state.flatten import flatten, optimizers_untouched, saved_leaves, sharded_tensor_shard
+    from .storage import StorageBackend, open_storage
+    from .tools.importers import Source

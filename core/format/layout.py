@@ -1,0 +1,56 @@
+"""What a checkpoint directory holds, by name (format version 1)::
+
+    <checkpoint>/
+      metadata.json          the index, written last: its presence is the commit
+      data/<rank>_<n>.bin    tensor bytes: rank <rank>'s n-th data file (chunks packed back to back)
+      objects/rank_<r>.json  rank r's per-rank state (tagged JSON)
+      .unickpt-writer        who is saving into it (host, pid, time): written first, left after the
+                             commit (:mod:`unickpt.lifecycle.directory`)
+
+A directory holding anything else is not a checkpoint directory that unickpt may replace or remove.
+"""
+from __future__ import annotations
+
+import re
+
+__all__ = ["METADATA_FILE", "DATA_DIR", "OBJECTS_DIR", "WRITER_FILE", "data_file", "objects_file",
+           "is_own_entry", "is_partial_entry", "is_own_file", "SUBDIRS"]
+
+METADATA_FILE = "metadata.json"
+DATA_DIR = "data"
+OBJECTS_DIR = "objects"
+WRITER_FILE = ".unickpt-writer"
+
+_FILES = {DATA_DIR: re.compile(r"^\d+_\d+\.bin$"), OBJECTS_DIR: re.compile(r"^rank_\d+\.json$")}
+_TMP = r"metadata\.json\.tmp-[0-9a-f]+"
+_PARTIAL = re.compile(rf"^({DATA_DIR}|{OBJECTS_DIR}|{_TMP}|{re.escape(WRITER_FILE)})$")
+_OWN = re.compile(rf"^({DATA_DIR}|{OBJECTS_DIR}|metadata\.json|{_TMP}|{re.escape(WRITER_FILE)})$")
+
+
+def data_file(rank: int, n: int) -> str:
+    """The relative path of rank ``rank``'s ``n``-th data file."""
+    return f"{DATA_DIR}/{rank}_{n}.bin"
+
+
+def objects_file(rank: int) -> str:
+    """The relative path of rank ``rank``'s per-rank state."""
+    return f"{OBJECTS_DIR}/rank_{rank}.json"
+
+
+def is_own_entry(name: str) -> bool:
+    """Whether a save writes an entry of this name directly in a checkpoint directory."""
+    return bool(_OWN.match(name))
+
+
+def is_partial_entry(name: str) -> bool:
+    """Whether an unfinished save writes an entry of this name (everything but ``metadata.json``)."""
+    return bool(_PARTIAL.match(name))
+
+
+def is_own_file(subdir: str, name: str) -> bool:
+    """Whether a save writes a file ``name`` inside ``subdir`` (``data`` or ``objects``)."""
+    pattern = _FILES.get(subdir)
+    return bool(pattern and pattern.match(name))
+
+
+SUBDIRS = tuple(_FILES)

@@ -1,0 +1,97 @@
+"""The checks of a load, on the caller's thread before any byte is read: the keys of the state against
+the checkpoint's (``strict``), each target tensor against its stored dtype and shape (never cast or
+reshaped), and the one exception to the key rules: an optimizer saved before its first step.
+Each raises :class:`~unickpt.errors.StateMismatchError` naming the key and both values.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import StateMismatchError
+from ..format.dtypes import dtype_to_str
+from ..format.metadata import TensorMeta
+from ..state import codec
+
+__all__ = ["check_target", "take_saved_empty_optimizer_states", "check_keys"]
+
+
+def check_target(leaf: Any, tmeta: TensorMeta) -> None:
+    """Raise StateMismatchError unless ``leaf`` can take the stored tensor as it is."""
+    fqn, t = leaf.fqn, leaf.local
+    got_dtype, got_shape = dtype_to_str(leaf.dtype), tuple(leaf.global_shape)
+    if (got_dtype, got_shape) != (tmeta.dtype, tmeta.shape):
+        raise StateMismatchError(
+            f"{fqn!r}: checkpoint has dtype {tmeta.dtype} shape {list(tmeta.shape)}, the state to "
+            f"load into has dtype {got_dtype} shape {list(got_shape)} (no implicit cast or reshape)"
+        )
+    if t.device.type == "meta":
+        raise StateMismatchError(f"{fqn!r}: the tensor to load into is on the meta device (no storage); "
+                                 "materialize it first (e.g. model.to_empty(device=...))")
+    if t.layout != torch.strided:
+        raise StateMismatchError(f"{fqn!r}: tensor layout {t.layout} is not supported (dense tensors only)")
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        raise StateMismatchError(f"{fqn!r}: the tensor to load into is an expanded view (stride 0, "
+                                 f"shape {list(t.shape)}, stride {list(t.stride())}); its elements share memory")
+
+
+def take_saved_empty_optimizer_states(flat, saved_objects: dict) -> None:
+    """An optimizer saved before its first step is ``{"state": {}, "param_groups": [...]}`` (one plain
+    value), while the target optimizer's state has tensors (torch initialises an empty one so that
+    there is something to load into). When the saved param groups match the target's (as many, the
+    same hyper-parameter names, the same parameters), the saved state dict replaces the target's
+    whole and ``load_state_dict`` empties the optimizer's state again: exactly the saved state comes
+    back. Anything else (another optimizer class, other groups) is left to the key check, which
+    raises StateMismatchError."""
+    for fqn, (holder, key) in flat.optimizer_states.items():
+        if fqn not in saved_objects:
+            continue
+        try:
+            saved = codec.decode(saved_objects[fqn])
+        except Exception:  # the key check and the object decoding report it
+            continue
+        target = holder[key]
+        if not (isinstance(saved, dict) and saved.keys() == target.keys() and saved["state"] == {}
+                and _groups_match(saved["param_groups"], target["param_groups"])):
+            continue
+        inner = fqn + "."
+        for entries in (flat.tensors, flat.objects, flat.per_rank, flat.aliases):
+            for name in [n for n in entries if n.startswith(inner)]:
+                del entries[name]
+        flat.objects[fqn] = (holder, key)
+
+
+def _groups_match(saved: Any, target: Any) -> bool:
+    if not isinstance(saved, list) or not isinstance(target, list) or len(saved) != len(target):
+        return False
+    for s, t in zip(saved, target):
+        if not isinstance(s, dict) or not isinstance(t, dict) or s.keys() != t.keys():
+            return False
+        if sorted(map(str, s.get("params", []))) != sorted(map(str, t.get("params", []))):
+            return False
+    return True
+
+
+def check_keys(flat, saved_tensors: set, saved_per_rank: set, saved_objects: dict, strict: bool, path: str) -> None:
+    kinds_target = {**{f: "tensor" for f in flat.tensors}, **{f: "per-rank object" for f in flat.per_rank},
+                    **{f: "object" for f in flat.objects}}
+    kinds_saved = {**{f: "tensor" for f in saved_tensors}, **{f: "per-rank object" for f in saved_per_rank},
+                   **{f: "object" for f in saved_objects}}
+    wrong_kind = [f"{f!r} (checkpoint: {kinds_saved[f]}, state: {k})" for f, k in kinds_target.items()
+                  if f in kinds_saved and kinds_saved[f] != k]
+    if wrong_kind:
+        raise StateMismatchError(f"{path!r}: entries of another kind: " + ", ".join(sorted(wrong_kind)[:20]))
+    if not strict:
+        return
+    missing = sorted(set(kinds_target) - set(kinds_saved))
+    unexpected = sorted(set(kinds_saved) - set(kinds_target))
+    if missing or unexpected:
+        def show(keys: list[str]) -> str:
+            return ", ".join(repr(k) for k in keys[:20]) + (f" ... ({len(keys)} in all)" if len(keys) > 20 else "")
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {show(missing)}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in the state: {show(unexpected)}")
+        raise StateMismatchError(f"{path!r}: keys differ (strict=True); " + "; ".join(parts))

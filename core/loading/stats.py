@@ -1,0 +1,29 @@
+"""What a load reports: :class:`LoadStats` (bytes read, received and sent, requests, seconds per stage)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["LoadStats"]
+
+
+@dataclass
+class LoadStats:
+    """Per-rank counters (bytes) and timings (seconds) of one load."""
+
+    bytes_read: int = 0  # tensor bytes read from storage by this rank
+    storage_bytes_read: int = 0  # everything this rank read, as counted by the storage layer
+    reads: int = 0  # ranged read requests
+    blocks_verified: int = 0  # small chunks, or blocks of large ones, checked against checksums
+    bytes_received: int = 0  # over the process group, read by other ranks
+    bytes_sent: int = 0
+    plan_cache_hit: bool = False
+    redistributed: bool = False  # read once job-wide and redistributed (see loading._should_redistribute)
+    rounds: int = 0  # read/exchange rounds (bounded read buffer)
+    peak_buffer_bytes: int = 0
+    plan_s: float = 0.0
+    read_s: float = 0.0  # reads and exchange, overlapped
+    copy_s: float = 0.0
+    total_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)

@@ -1,0 +1,133 @@
+"""Plan agreement: every rank of a save ends up with the same :class:`~unickpt.plan.save_plan.SavePlan`.
+
+Runs on the save thread, on the private *plan* gloo group (:mod:`unickpt.dist.comm`). Collectives:
+
+1. always: a fixed-size ``all_gather`` of :data:`SIG_BYTES` bytes per rank: an error flag, the
+   16-byte signature of the rank's local plan, 8-byte digests of its plain-value keys, of the
+   plan-shaping options and of its tensor table. A failed rank sets the flag; then the failures are
+   gathered (2 more) and raised on every rank with one type (:class:`~unickpt.errors.SaveFailedError`,
+   or the failure's own type when every failing rank agrees on CheckpointExistsError or
+   UnsafeObjectError).
+2. on a plan-cache miss only: the local plans are gathered as compact JSON (2 collectives, no pickle;
+   a rank whose signature repeats an earlier rank's sends nothing, one whose tensor table repeats an
+   earlier rank's sends its shards only: what travels grows with the distinct layouts, not with ranks
+   x keys), and :func:`~unickpt.plan.save_plan.make_save_plan` derives the same plan on every rank.
+
+The exchange cannot be skipped safely: one rank's layout may change while the others' do not, and
+only an exchange lets all ranks hit or miss the cache together. A check (the replica check,
+:mod:`.replicas`) runs on a miss before the plan is cached, so a layout whose check failed is checked
+again at its next save; with ``check_replicas="always"`` also on every hit.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any, Callable
+
+import torch
+
+from ..errors import CheckpointExistsError, SaveFailedError, UnsafeObjectError
+from ..options import SaveOptions
+from ..plan.cache import PlanCache
+from ..plan.save_plan import LocalPlan, SavePlan, decode_plans, make_save_plan
+from .request import SaveStats
+
+__all__ = ["PlanAgreement", "SIG_BYTES", "PLAN_CACHE_SIZE"]
+
+log = logging.getLogger("unickpt")
+
+PLAN_CACHE_SIZE = 8  # distinct layouts remembered per engine (e.g. model-only vs full saves)
+SIG_BYTES = 48  # error flag, 16-byte plan signature, 8-byte objects digest, 8-byte options digest, 8-byte table digest
+
+
+def _digest8(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=8).digest()
+
+
+class PlanAgreement:
+    """The save plans of one group, agreed and cached (see the module docstring).
+
+    Args:
+        comm: the group's collectives (:class:`~unickpt.dist.comm.Comm`).
+    """
+
+    def __init__(self, comm: Any):
+        self.comm = comm
+        self.cache: PlanCache[SavePlan] = PlanCache(PLAN_CACHE_SIZE)
+
+    def agree(self, path: str, local: LocalPlan, signature: str | None, local_error: BaseException | None,
+              stats: SaveStats, opts: SaveOptions,
+              check: Callable[[SavePlan, bool], None] = lambda plan, full: None) -> SavePlan:
+        """The plan of this save on every rank. ``check(plan, full)`` (the replica check) runs on a miss
+        before the plan is cached, and on a hit with ``check_replicas="always"``.
+
+        Raises CheckpointExistsError / UnsafeObjectError / SaveFailedError (a rank failed before
+        planning), ValueError (ranks configured different plan options), StateMismatchError (ranks
+        disagree on a tensor's dtype or global shape).
+        """
+        comm, world = self.comm, self.comm.world_size
+        opt_digest = _digest8(repr(opts.plan_key()))
+        mine = bytearray(SIG_BYTES)
+        if local.error is None and signature is not None:
+            mine[1:17] = bytes.fromhex(signature)
+            mine[17:25] = bytes.fromhex(local.objects_digest or "00" * 8)
+            mine[25:33] = opt_digest
+            mine[33:41] = bytes.fromhex(local.table_digest())
+        else:
+            mine[0] = 1
+        if world > 1:
+            import torch.distributed as dist
+
+            t = torch.frombuffer(mine, dtype=torch.uint8)
+            out = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(out, t, group=comm.plan_group)
+            stats.collectives_plan += 1
+            rows = [bytes(o.tolist()) for o in out]
+        else:
+            rows = [bytes(mine)]
+        if any(r[0] for r in rows):
+            self._raise_failures(path, local, local_error, stats)
+        if any(r[25:33] != rows[0][25:33] for r in rows):
+            raise ValueError(f"{path!r}: ranks configured different save options (flat_ranges, segment_bytes, "
+                             f"upload_to, snapshot, check_replicas must agree); this rank has {opts.plan_key()}")
+        differ = [r for r, row in enumerate(rows) if row[17:25] != rows[0][17:25]]
+        if differ and comm.rank == 0:
+            log.warning("unickpt: %s: rank(s) %s have other plain (non-tensor) keys than rank 0; only rank 0's "
+                        "plain values are saved (declare per-rank values with unickpt.PerRank)", path, differ)
+        key = (opts.plan_key(), tuple(r[1:17] for r in rows))
+        cached = self.cache.get(key)
+        if cached is not None:
+            stats.plan_cache_hit = True
+            if opts.check_replicas == "always":
+                check(cached, True)
+            return cached
+        plans = [local]
+        if world > 1:
+            first_of: dict[bytes, int] = {}
+            firsts = [first_of.setdefault(row[1:17], r) for r, row in enumerate(rows)]
+            table_of: dict[bytes, int] = {}
+            table_firsts = [table_of.setdefault(row[33:41], r) for r, row in enumerate(rows)]
+            me = comm.rank
+            mine_bytes = b"" if firsts[me] != me else local.to_bytes(with_table=table_firsts[me] == me)
+            blobs = comm.all_gather_bytes(mine_bytes, comm.plan_group)
+            stats.collectives_plan += 2
+            plans = decode_plans(blobs, firsts, table_firsts)
+        plan = make_save_plan(plans, flat_ranges=opts.flat_ranges, segment_bytes=opts.segment_bytes)
+        if opts.check_replicas != "off":
+            check(plan, opts.check_replicas == "always")
+        self.cache.put(key, plan)
+        return plan
+
+    def _raise_failures(self, path: str, local: LocalPlan, local_error: BaseException | None,
+                        stats: SaveStats) -> None:
+        errors = [(local.error, local.error_type, local.error_message)]
+        if self.comm.world_size > 1:
+            errors = self.comm.all_gather(errors[0], self.comm.plan_group)
+            stats.collectives_plan += 2
+        failures = {r: e[0] for r, e in enumerate(errors) if e[0]}
+        kinds = {e[1] for e in errors if e[0]}
+        if kinds == {"UnsafeObjectError"}:  # every failing rank needs pickle: say so with its own type
+            raise UnsafeObjectError(next(e[2] for e in errors if e[0])) from local_error
+        if kinds == {"CheckpointExistsError"}:  # the target is taken: say so with its own type
+            raise CheckpointExistsError(next(e[2] for e in errors if e[0])) from local_error
+        raise SaveFailedError(path, failures) from local_error

@@ -1,0 +1,185 @@
+"""The commit of a save: every rank's bytes are durable, then group rank 0 writes ``metadata.json``.
+
+Runs on the engine's commit thread (one per engine, so saves commit in the order they were called),
+on the private *background* gloo group, after the drain (:meth:`~unickpt.saving.pipeline.SavePipeline.wait_drained`):
+
+1. each rank writes its per-rank object file (and uploads it with ``upload_to``);
+2. ``all_gather`` of every rank's outcome as compact JSON (**2 collectives**, no pickle: checksums of
+   its chunks, its object file, or its failure with the stage's name);
+3. if every rank succeeded, group rank 0 builds the metadata (:func:`build_metadata`) and writes it
+   atomically: the remote copy's first when uploading, then the local one. Its presence is the
+   commit (:mod:`unickpt.lifecycle.directory`); then ``on_commit`` runs (``latest``, retention);
+4. group rank 0's outcome is broadcast (**1 collective**: a 1-byte flag, plus 2 carrying the error
+   text when the commit failed), so every rank's handle reports the same result.
+
+A failure anywhere leaves no ``metadata.json``: the directory is never loaded, the previously
+committed checkpoints are not touched, and every rank raises the same
+:class:`~unickpt.errors.SaveFailedError` naming the failed ranks and stages.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import torch
+
+from ..errors import SaveFailedError
+from ..format.layout import METADATA_FILE, objects_file
+from ..format.metadata import CheckpointMetadata, ChunkMeta, TensorMeta, spec_order
+from .pipeline import DrainResult
+from .request import SaveRequest, SaveStats
+from .snapshot import Snapshot, format_exc
+from .upload import Uploader, format_upload_error
+
+__all__ = ["Committer", "build_metadata"]
+
+log = logging.getLogger("unickpt")
+
+
+class _StageFailure(Exception):
+    """A pipeline stage's failure text, reported as it is."""
+
+
+def build_metadata(plan: Any, results: list[dict], *, world_size: int, skeleton: Any, step: int | None = None,
+                   framework: str | None = None, run_id: str | None = None, extra: dict | None = None) -> CheckpointMetadata:
+    """The metadata a save commits: every chunk of ``plan`` (a :class:`~unickpt.plan.save_plan.SavePlan`)
+    with its file, offset and checksums, tensors' chunks in spec order.
+
+    Args:
+        results: per rank, ``{"digests": [(checksum, block checksums, block bytes)] in the order of
+            plan.writes[rank], "per_rank_file": relative path or None}``.
+        world_size: the saving world (``layout.world_size``; also ``per_rank.world_size``).
+
+    Linear in the number of chunks (one sort per tensor).
+    """
+    chunks: dict[str, list[ChunkMeta]] = {fqn: [] for fqn in plan.tensors}
+    for r, writes in enumerate(plan.writes):
+        for c, (digest, blocks, block_bytes) in zip(writes, results[r]["digests"]):
+            chunks[c.fqn].append(ChunkMeta(c.spec, c.file, c.offset, c.nbytes, digest, tuple(blocks), block_bytes))
+    tensors = {
+        fqn: TensorMeta(dtype, shape, tuple(sorted(chunks[fqn], key=lambda c: spec_order(c.spec))))
+        for fqn, (dtype, shape) in plan.tensors.items()
+    }
+    per_rank = {}
+    if plan.per_rank_fqns:
+        per_rank = {"world_size": world_size, "fqns": list(plan.per_rank_fqns),
+                    "files": [r["per_rank_file"] for r in results]}
+    return CheckpointMetadata(tensors=tensors, state_tree=skeleton, layout={"world_size": world_size},
+                              aliases=plan.aliases, per_rank=per_rank, step=step, framework=framework,
+                              run_id=run_id, extra=extra or {})
+
+
+class Committer:
+    """The commits of one group's saves (see the module docstring).
+
+    Args:
+        comm: the group's collectives; ``run_id``: recorded in every ``metadata.json`` of this engine.
+    """
+
+    def __init__(self, comm: Any, run_id: str):
+        self.comm, self.run_id = comm, run_id
+        self.rank, self.world_size = comm.rank, comm.world_size
+
+    def commit(self, req: SaveRequest, plan: Any, snap: Snapshot, drained: DrainResult, error: str | None,
+               stats: SaveStats) -> None:
+        """Commit thread: steps 1-4 of the module docstring. ``error``: this rank's first stage failure.
+        Returns once committed on every rank; raises SaveFailedError otherwise."""
+        result: dict[str, Any]
+        try:
+            if error is not None:
+                raise _StageFailure(error)
+            if any(d is None for d in drained.digests):
+                raise RuntimeError("checksum stage: some chunks were written without a checksum")
+            per_rank_file = self._write_per_rank(req, snap, stats)
+            result = {"ok": True, "digests": drained.digests, "per_rank_file": per_rank_file}
+        except BaseException as e:
+            result = {"ok": False, "error": str(e) if isinstance(e, _StageFailure) else format_exc(e)}
+        t_commit = time.perf_counter()
+        try:
+            # compact JSON, no pickle: two collectives whatever the world size (see Comm.all_gather_bytes)
+            results = [json.loads(b) for b in self.comm.all_gather_bytes(json.dumps(result).encode(),
+                                                                          self.comm.background_group)]
+            if self.world_size > 1:
+                stats.collectives_commit += 2
+        except Exception as e:
+            raise SaveFailedError(req.path, {self.rank: f"lost contact with the other ranks before the commit "
+                                                       f"(a rank died, or the process group was destroyed "
+                                                       f"before the save finished): {e!r}"}) from e
+        failures = {r: res["error"] for r, res in enumerate(results) if not res["ok"]}
+        if failures:
+            log.error("unickpt: save to %s failed on rank(s) %s; nothing was committed", req.path, sorted(failures))
+            raise SaveFailedError(req.path, failures)
+        status = None
+        if self.rank == 0:
+            try:
+                meta = build_metadata(plan, results, world_size=self.world_size, skeleton=snap.skeleton,
+                                      step=req.step, framework=req.framework, run_id=self.run_id, extra=req.extra)
+                data = meta.to_json().encode()
+                if req.options.upload_to is not None:
+                    Uploader.commit(req, data)
+                req.storage.write_atomic(req.storage.join(req.path, METADATA_FILE), data)
+            except BaseException as e:
+                status = "commit stage: " + format_exc(e)
+            else:
+                self._after_commit(req, stats, t_commit)
+        try:
+            status = self._broadcast_status(status, stats)
+        except Exception as e:
+            if self.rank != 0:  # rank 0 knows its own outcome; the others cannot tell
+                raise SaveFailedError(req.path, {self.rank: f"lost contact with rank 0 during the commit; whether "
+                                                           f"{METADATA_FILE} was written is unknown: {e!r}"}) from e
+            log.warning("unickpt: %s committed, but the other ranks could not be told: %r", req.path, e)
+        if status is not None:
+            log.error("unickpt: commit of %s failed on rank 0; nothing was committed", req.path)
+            raise SaveFailedError(req.path, {0: status})
+        if self.rank != 0:
+            stats.committed = True
+            stats.commit_s = time.perf_counter() - t_commit
+            stats.total_s = time.perf_counter() - req.t0
+
+    def _broadcast_status(self, status: str | None, stats: SaveStats) -> str | None:
+        """Group rank 0's commit outcome on every rank: one 1-byte broadcast, plus the error text when
+        the commit failed."""
+        if self.world_size == 1:
+            return status
+        import torch.distributed as dist
+
+        flag = torch.tensor([0 if status is None else 1], dtype=torch.uint8)
+        dist.broadcast(flag, src=self.comm.ranks[0], group=self.comm.background_group)
+        stats.collectives_commit += 1
+        if int(flag.item()) == 0:
+            return None
+        stats.collectives_commit += 2
+        return self.comm.broadcast(status, self.comm.background_group)
+
+    def _write_per_rank(self, req: SaveRequest, snap: Snapshot, stats: SaveStats) -> str | None:
+        if snap.per_rank_blob is None:
+            return None
+        rel = objects_file(self.rank)
+        storage = req.storage
+        # mkdir, not makedirs: a save directory removed meanwhile is not brought back
+        storage.mkdir(storage.join(req.path, rel.split("/")[0]))
+        stats.bytes_written += storage.write_file(storage.join(req.path, rel), [snap.per_rank_blob])
+        if req.options.upload_to is not None:
+            try:
+                stats.bytes_uploaded += Uploader.upload_file(req, rel)
+            except BaseException as e:
+                raise RuntimeError(format_upload_error(e)) from e
+        return rel
+
+    def _after_commit(self, req: SaveRequest, stats: SaveStats, t_commit: float) -> None:
+        """Group rank 0, right after ``metadata.json`` landed: stats, ``on_commit``, the log line."""
+        stats.committed = True
+        stats.commit_s = time.perf_counter() - t_commit
+        stats.total_s = time.perf_counter() - req.t0
+        if req.on_commit is not None:
+            try:
+                req.on_commit()
+            except Exception:
+                log.exception("unickpt: post-commit step (latest pointer / retention) failed for %s", req.path)
+        nbytes = sum(stats.bytes_per_rank) or stats.bytes_written  # the job's tensor bytes
+        log.info("unickpt: committed %s (step %s): %.1f MB in %.3f s (%.2f GB/s), stall %.3f s, %d rank(s)",
+                 req.path, stats.step, nbytes / 1e6, stats.total_s, nbytes / 1e9 / max(stats.total_s, 1e-9),
+                 stats.stall_s, self.world_size, extra={"unickpt_event": "save", "unickpt_stats": stats})

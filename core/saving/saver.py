@@ -1,0 +1,260 @@
+"""The saves of one process group: :class:`Saver` runs plan -> stage -> pipelined drain -> commit.
+
+Save sequence (every rank of the group), by thread:
+
+1. caller's thread (:meth:`Saver.save`): the snapshot (:mod:`.snapshot`: flatten the state, the local
+   plan and its signature; no collective), then the hand-off to the save thread. In ``sync``
+   snapshot mode the caller then waits until every byte is staged (step 3); in ``overlap`` mode it
+   returns at once (optimizer steps wait for the snapshot instead).
+2. save thread, **plan**: group rank 0 checks the target directory
+   (:func:`~unickpt.lifecycle.directory.prepare_target`: refuses a committed, in-flight or foreign
+   one, clears an incomplete one); then the ranks agree on the plan (:mod:`.agree`: **1 collective**
+   on a plan-cache hit, **3** on a miss, **2 more** on a miss when chunks are replicated: the replica
+   check of :mod:`.replicas`).
+3. save thread, **stage** (:mod:`.pipeline`): a free staging ring, then this rank's chunks into it,
+   piece by piece, merge transfers point to point.
+4. background, **drain** (:mod:`.drain`): checksum and write threads (or a writer process) and the
+   uploader (:mod:`.upload`) stream the staged pieces to the data files (and the remote copy) while
+   staging goes on.
+5. commit thread (one per group, so saves commit in order; :mod:`.commit`): waits for the drain,
+   then **3 collectives** (2 more if the commit failed) and group rank 0 writes ``metadata.json``.
+
+:class:`~unickpt.saving.request.SaveStats` counts each save's collectives (``collectives_plan``,
+``collectives_commit``). The save thread and the commit thread use two different private gloo groups
+(*plan* and *background*), so their collectives never interleave.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from ..dist.comm import Comm, local_synchronization
+from ..dist.p2p import P2P
+from ..lifecycle.directory import prepare_target
+from ..options import SaveOptions
+from ..storage import open_storage
+from . import snapshot as snapshot_mod
+from .agree import PlanAgreement
+from .commit import Committer
+from .pipeline import SavePipeline
+from .replicas import check_replicas
+from .request import SaveHandle, SaveProgress, SaveRequest, SaveStats
+from .snapshot import Snapshot, StepGuards, take_snapshot
+from .upload import Uploader
+
+__all__ = ["Saver"]
+
+log = logging.getLogger("unickpt")
+
+
+class Saver:
+    """Saves for the ranks of one process group (see the module docstring). Created collectively
+    (it creates a private gloo group for merge transfers).
+
+    Args:
+        comm: the group's collectives (:class:`~unickpt.dist.comm.Comm`).
+        options: the default :class:`~unickpt.options.SaveOptions` of saves that give none.
+        run_id: recorded in every ``metadata.json``.
+        local_world_size: ranks on this host (sizes the default staging ring).
+        busy_elsewhere: ``busy_elsewhere(path)``: a save into ``path`` is in flight in another engine
+            of this process (a leftover of this process is replaced only when none is).
+    """
+
+    def __init__(self, comm: Comm, options: SaveOptions, run_id: str, *, local_world_size: int | None = None,
+                 timeout_s: float = 1800.0, busy_elsewhere: Callable[[str], bool] = lambda path: False):
+        self.comm, self.options, self.run_id = comm, options, run_id
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self._busy_elsewhere = busy_elsewhere
+        p2p = None
+        if self.world_size > 1:
+            import torch.distributed as dist
+            from datetime import timedelta
+
+            group = dist.new_group(comm.ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
+                                   use_local_synchronization=local_synchronization(comm.ranks))
+            p2p = P2P(group, comm.ranks)
+        self.p2p = p2p
+        self.uploader = Uploader()
+        self.pipeline = SavePipeline(p2p, self.rank, self.world_size, self.uploader, local_world_size)
+        self.agreement = PlanAgreement(comm)
+        self.committer = Committer(comm, run_id)
+        self.guards = StepGuards()
+        self._commits = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unickpt-commit")
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="unickpt-stager", daemon=True)
+        self._thread.start()
+        self._pending: list[SaveHandle] = []
+        self._in_flight: dict[str, int] = {}  # paths of saves not yet finished (how many)
+        self._lock = threading.Lock()
+        self._seq = 0
+
+    # -- caller's thread ---------------------------------------------------------------------------
+    def save(self, path: str, state: dict, *, async_save: bool = False, storage_options: dict | None = None,
+             step: int | None = None, framework: str | None = None, extra: dict | None = None,
+             on_commit: Callable[[], None] | None = None, allow_pickle: bool = False,
+             options: SaveOptions | None = None) -> SaveHandle:
+        """Save ``state`` to ``path`` (see :func:`unickpt.save`): the snapshot, then the hand-off to the
+        save thread, then (``sync`` snapshot mode) the wait until everything is staged. Planning errors
+        are raised here in ``sync`` snapshot mode, on the handle in ``overlap`` mode."""
+        t0 = time.perf_counter()
+        opts = self.options if options is None else options.validated()
+        path = str(path)
+        stats = SaveStats(path=path, step=step, snapshot=opts.snapshot, writer=opts.writer,
+                          flat_ranges=opts.flat_ranges)
+        self.guards.remove_finished()
+        seq, self._seq = self._seq, self._seq + 1
+        req = SaveRequest(seq, path, open_storage(path, storage_options), storage_options, opts, self.rank,
+                          self.world_size, step, framework, dict(extra or {}), on_commit, t0)
+        progress = SaveProgress()
+        clone_limit = min(snapshot_mod.OVERLAP_CLONE_BYTES, self.pipeline.ring_bytes(opts) // 4)
+        snap = take_snapshot(state, rank=self.rank, world_size=self.world_size, snapshot_mode=opts.snapshot,
+                             allow_pickle=allow_pickle, clone_limit=clone_limit)
+        with self._lock:
+            self._in_flight[path] = self._in_flight.get(path, 0) + 1
+        if snap.optimizers:
+            self.guards.guard(progress, stats, snap.optimizers)
+        handle = SaveHandle(self._commits.submit(self._commit, req, progress, snap, stats), stats, progress)
+        with self._lock:
+            self._pending = [h for h in self._pending if not (h.done() and h.error_reported)] + [handle]
+        # the hand-off comes last: the save thread wakes up and competes for the GIL
+        self._queue.put((req, progress, snap, stats))
+        if snap.must_wait:
+            progress.released.wait()
+            if progress.plan_error is not None:
+                handle.error_reported = True  # raised here, not again by the engine's wait()
+                with self._lock:
+                    self._pending = [h for h in self._pending if h is not handle]
+                handle._future.exception()  # its commit-thread part is over: the path is no longer in flight
+                raise progress.plan_error
+        stats.stall_s = time.perf_counter() - t0
+        if not async_save:
+            handle.wait()
+        return handle
+
+    # -- save thread --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            got = self._queue.get()
+            if got is None:
+                return
+            req, progress, snap, stats = got
+            try:
+                self._serve(req, progress, snap, stats)
+            except BaseException as e:  # pragma: no cover - a bug: never leave a caller waiting
+                progress.fail(f"snapshot stage (internal): {e!r}")
+                if not progress.planned.is_set():
+                    progress.finish_planning(error=e)
+                progress.finish_snapshot()
+
+    def _serve(self, req: SaveRequest, progress: SaveProgress, snap: Snapshot, stats: SaveStats) -> None:
+        t0 = time.perf_counter()
+        try:
+            plan = self._plan(req, snap, stats)
+        except BaseException as e:  # every rank failed the plan alike: nothing is staged
+            progress.finish_planning(error=e)
+            return
+        stats.plan_s = time.perf_counter() - t0
+        stats.bytes_per_rank, stats.max_mean_bytes = list(plan.bytes_per_rank), plan.max_mean_bytes
+        run = self.pipeline.begin(req, progress, stats, plan, snap.leaf, snap.guarded, snap.cuda_ready)
+        progress.finish_planning(plan)
+        self.pipeline.stage(run)
+
+    def _plan(self, req: SaveRequest, snap: Snapshot, stats: SaveStats) -> Any:
+        """Group rank 0 checks the target directory, then every rank agrees on the plan."""
+        if self.rank == 0 and snap.error is None:
+            try:
+                prepare_target(req.storage, req.path, in_flight=lambda p: self.in_flight(p, others=1),
+                               ours_in_flight=lambda p: self.in_flight(p, others=1) or self._busy_elsewhere(p))
+                if req.options.upload_to is not None:
+                    Uploader.prepare_target(req.options, req.path)
+            except Exception as e:
+                snap.failed(e, self.rank)
+        assert snap.local is not None
+        return self.agreement.agree(req.path, snap.local, snap.signature, snap.error, stats, req.options,
+                                    lambda plan, full: self._check_replicas(snap, plan, full, stats))
+
+    def _check_replicas(self, snap: Snapshot, plan: Any, full: bool, stats: SaveStats) -> None:
+        """Before staging: the holders of each replicated chunk hold the same bytes
+        (:mod:`.replicas`; raises ReplicaMismatchError on every rank)."""
+        if not plan.replicas or self.world_size == 1:
+            return
+        leaves = {fqn: snap.leaf(fqn) for fqn, _, ranks in plan.replicas if self.rank in ranks}
+        stats.collectives_plan += check_replicas(self.comm, plan.replicas, leaves, full=full)
+
+    # -- commit thread ------------------------------------------------------------------------------
+    def _commit(self, req: SaveRequest, progress: SaveProgress, snap: Snapshot, stats: SaveStats) -> None:
+        """Wait for the plan and the drain, then commit (every rank reaches the collectives)."""
+        try:
+            progress.planned.wait()
+            if progress.plan_error is not None:  # every rank failed the plan alike: nothing to gather
+                raise progress.plan_error
+            drained = self.pipeline.wait_drained(req.seq)
+            self.committer.commit(req, progress.plan, snap, drained, progress.error, stats)
+        finally:
+            with self._lock:
+                left = self._in_flight.get(req.path, 1) - 1
+                if left > 0:
+                    self._in_flight[req.path] = left
+                else:
+                    self._in_flight.pop(req.path, None)
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def in_flight(self, path: str, others: int = 0) -> bool:
+        """True while a save to ``path`` started here has not finished (any thread); ``others``: how
+        many in-flight saves to ignore (the caller's own)."""
+        with self._lock:
+            return self._in_flight.get(str(path), 0) > others
+
+    def pending(self) -> list[SaveHandle]:
+        """The handles of saves not yet waited for."""
+        with self._lock:
+            return list(self._pending)
+
+    def wait_planned(self) -> None:
+        """Block until every pending save has agreed its plan (so that the caller's thread may run a
+        collective on the plan group without interleaving with the save thread's)."""
+        for h in self.pending():
+            if h._progress is not None:
+                h._progress.planned.wait()
+
+    def wait(self) -> None:
+        """Wait for every pending save; raise the first error not already raised by its handle."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        first: BaseException | None = None
+        for handle in pending:
+            try:
+                handle._future.result()
+            except BaseException as e:  # keep waiting for the rest
+                if not handle.error_reported:
+                    handle.error_reported = True
+                    first = first or e
+        self.guards.remove_finished()
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        """Wait for the pending saves, then stop the threads, free the staging memory and destroy the
+        merge group (no reference to it is kept: torch can then re-initialise on the same store)."""
+        try:
+            self.wait()
+        finally:
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+            self._commits.shutdown(wait=True)
+            self.pipeline.close()
+            self.uploader.close()
+            if self.p2p is not None:
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    try:
+                        dist.destroy_process_group(self.p2p.group)
+                    except (ValueError, RuntimeError):  # already gone with the default group
+                        pass
+                self.p2p.group = None
+            self.agreement.cache.clear()
