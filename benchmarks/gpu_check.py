@@ -291,7 +291,7 @@ class Ctx:
         return get_engine()
 
     def configure(self, **kw: Any) -> None:
-        from unickpt.pipeline import SaveOptions
+        from unickpt.options import SaveOptions
 
         d = SaveOptions()
         base = {f: getattr(d, f) for f in ("snapshot", "direct_io", "writer", "overlap_drain")}
@@ -471,7 +471,7 @@ def phase_env(ctx: Ctx, budget: Budget) -> dict:
     out["unickpt_background_group_backend"] = (dist.get_backend(eng.comm.background_group)
                                                if getattr(eng.comm, "background_group", None) is not None else None)
     out["unickpt_world_size"] = eng.world_size
-    from unickpt.pipeline import default_pool_cap
+    from unickpt.saving.staging import default_ring_bytes as default_pool_cap
 
     out["unickpt_default_pool_cap_bytes"] = default_pool_cap(1)
     out["pool_bytes_used"] = ctx.pool_bytes

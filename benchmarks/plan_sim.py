@@ -51,12 +51,14 @@ import pstats
 import time
 from dataclasses import dataclass
 
-from unickpt.codec import str_to_dtype
-from unickpt.metadata import CHECKSUM_BLOCK_BYTES, CheckpointMetadata, block_size, build_metadata
-from unickpt.planner import LocalPlan, decode_plans, make_save_plan
-from unickpt.read_plan import make_read_plan
-from unickpt.reader import merge_ranges, piece_runs, widen_to_blocks
-from unickpt.resharding import Box, ChunkIndex, FlatRange, chunk_pieces
+from unickpt.format.dtypes import str_to_dtype
+from unickpt.format.integrity import CHECKSUM_BLOCK_BYTES, block_size
+from unickpt.format.metadata import CheckpointMetadata
+from unickpt.saving.commit import build_metadata
+from unickpt.plan.save_plan import LocalPlan, decode_plans, make_save_plan
+from unickpt.plan.read_plan import make_read_plan
+from unickpt.loading.targets import merge_ranges, piece_runs, widen_to_blocks
+from unickpt.geometry import Box, ChunkIndex, FlatRange, chunk_pieces
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _clock = time.process_time

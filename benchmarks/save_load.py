@@ -334,7 +334,7 @@ class Bench:
 
 
 def _configure(engine: Any, system: str) -> None:
-    from unickpt.pipeline import SaveOptions
+    from unickpt.options import SaveOptions
 
     defaults = SaveOptions()
     opts = {f: getattr(defaults, f) for f in _OPTION_FIELDS}

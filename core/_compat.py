@@ -59,13 +59,14 @@ def _lookup(old: str, homes: tuple[str, ...], name: str) -> Any:
     raise AttributeError(f"module {old!r} (deprecated) has no attribute {name!r}")
 
 
-def deprecated_getattr(old: str, homes: tuple[str, ...]) -> Any:
+def deprecated_getattr(old: str, homes: tuple[str, ...], names: frozenset[str] | None = None) -> Any:
     """A module ``__getattr__`` serving the names of the old module ``old`` from ``homes`` (with a
-    DeprecationWarning naming the new home)."""
+    DeprecationWarning naming the new home); only ``names`` when given (so that a package's
+    submodules are still imported as such)."""
 
     def __getattr__(name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
+        if name.startswith("__") or (names is not None and name not in names):
+            raise AttributeError(f"module {old!r} has no attribute {name!r}")
         value = _lookup(old, homes, name)
         warnings.warn(f"{old}.{name} is deprecated; import it from {getattr(value, '__module__', homes[0])}",
                       DeprecationWarning, stacklevel=2)

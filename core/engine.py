@@ -50,8 +50,12 @@ class Engine:
 
     @property
     def options(self) -> SaveOptions:
-        """The default options of this engine's saves."""
+        """The default options of this engine's saves (settable: validated first)."""
         return self.saver.options
+
+    @options.setter
+    def options(self, options: SaveOptions) -> None:
+        self.saver.options = options.validated()
 
     def configure(self, **options: Any) -> SaveOptions:
         """Change the default options of later saves (fields of :class:`~unickpt.options.SaveOptions`),

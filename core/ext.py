@@ -4,11 +4,12 @@ A plugin imports :mod:`unickpt` (the public names) and this module, nothing else
 (``tests/unit/test_layers.py`` fails otherwise), so the core can change behind it. What it offers:
 
 - **engines**: :func:`engine` gives the :class:`EngineHandle` of a process group (save, load, wait,
-  in-flight paths, the group's rank, and collectives on the caller's thread); :data:`THIS_PROCESS`
-  is a group of this process alone.
+  in-flight paths, the group's rank, and collectives on the caller's thread); :func:`new_engine` a
+  private one the plugin closes itself; :data:`THIS_PROCESS` is a group of this process alone, and
+  :func:`load_solo` loads in this process alone without any engine.
 - **checkpoint directories**: :class:`CheckpointRoot` (``step_<N>``, ``latest``, retention), and the
   rules of one directory: :func:`is_committed`, :func:`is_incomplete_checkpoint`,
-  :func:`writer_alive`, :func:`remove_checkpoint_dir` (uncommit first), :data:`METADATA_FILE`,
+  :func:`writer_alive`, :func:`writer_elsewhere_on_host`, :func:`remove_checkpoint_dir` (uncommit first), :data:`METADATA_FILE`,
   :data:`WRITER_FILE`; :func:`read_metadata`.
 - **storage**: :func:`open_storage` and :class:`StorageBackend`.
 - **state**: :func:`flatten`, :func:`saved_leaves`, :func:`optimizers_untouched`,
@@ -27,8 +28,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ._lazy import lazy_getattr
 
-__all__ = ["engine", "default_engine", "EngineHandle", "THIS_PROCESS", "CheckpointRoot", "LATEST_FILE",
-           "step_name", "is_committed", "is_incomplete_checkpoint", "writer_alive", "remove_checkpoint_dir",
+__all__ = ["engine", "default_engine", "new_engine", "load_solo", "EngineHandle", "THIS_PROCESS", "CheckpointRoot", "LATEST_FILE",
+           "step_name", "is_committed", "is_incomplete_checkpoint", "writer_alive", "writer_elsewhere_on_host",
+           "remove_checkpoint_dir",
            "METADATA_FILE", "WRITER_FILE", "read_metadata", "CheckpointMetadata", "open_storage", "StorageBackend",
            "flatten", "saved_leaves", "optimizers_untouched", "sharded_tensor_shard", "encode", "decode",
            "dtype_to_str", "str_to_dtype", "Box", "FlatRange", "chunk_pieces", "is_dcp_checkpoint",
@@ -42,6 +44,7 @@ _EXPORTS = {
     "is_committed": ".lifecycle.directory",
     "is_incomplete_checkpoint": ".lifecycle.directory",
     "writer_alive": ".lifecycle.directory",
+    "writer_elsewhere_on_host": ".lifecycle.directory",
     "METADATA_FILE": ".format.layout",
     "WRITER_FILE": ".format.layout",
     "CheckpointMetadata": ".format.metadata",
@@ -72,8 +75,9 @@ class EngineHandle:
         rank, world_size: this process in the group.
     """
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, owned: bool = False):
         self._engine = engine
+        self._owned = owned
         self.rank, self.world_size = engine.rank, engine.world_size
 
     def save(self, path: str, state: dict, *, async_save: bool = False, storage_options: dict | None = None,
@@ -120,6 +124,13 @@ class EngineHandle:
         """Change the group's default save options (fields of :class:`~unickpt.SaveOptions`)."""
         return self._engine.configure(**options)
 
+    def close(self) -> None:
+        """An engine of :func:`new_engine` only: wait for its saves, then free its threads, staging
+        memory and private groups. Raises RuntimeError for a shared engine (:func:`engine`)."""
+        if not self._owned:
+            raise RuntimeError("unickpt.ext: only an engine made by new_engine() is closed by its plugin")
+        self._engine.close()
+
 
 def engine(process_group: Any = None) -> EngineHandle:
     """The :class:`EngineHandle` of ``process_group`` (default: the world; :data:`THIS_PROCESS`: this
@@ -128,6 +139,28 @@ def engine(process_group: Any = None) -> EngineHandle:
     from .engine import get_engine
 
     return EngineHandle(get_engine(process_group))
+
+
+def new_engine(process_group: Any = None) -> EngineHandle:
+    """A private engine of ``process_group`` (collective when the group has several ranks), not shared
+    with :func:`engine` and not waited for at teardown: the plugin waits for its saves and closes it
+    (:meth:`EngineHandle.close`), e.g. to give its staging memory back between runs."""
+    from .engine import Engine
+
+    return EngineHandle(Engine(process_group), owned=True)
+
+
+def load_solo(path: str, state: dict, *, strict: bool = True, storage_options: dict | None = None,
+              allow_pickle: bool = False, verify: bool | None = None, redistribute: bool | None = None) -> Any:
+    """:func:`unickpt.load` in this process alone (a world of one, whatever process groups exist), with
+    no engine (no threads, no staging memory): the reader of a file that one process reads by itself."""
+    from .dist.comm import Comm
+    from .loading.loader import Loader
+    from .options import LoadOptions
+
+    changes = {k: v for k, v in (("verify", verify), ("redistribute", redistribute)) if v is not None}
+    return Loader(Comm.solo()).load(path, state, strict=strict, storage_options=storage_options,
+                                    allow_pickle=allow_pickle, options=LoadOptions(**changes))
 
 
 def default_engine() -> EngineHandle | None:
@@ -172,7 +205,7 @@ if TYPE_CHECKING:
     from .format.layout import METADATA_FILE, WRITER_FILE
     from .format.metadata import CheckpointMetadata
     from .geometry import Box, FlatRange, chunk_pieces
-    from .lifecycle.directory import is_committed, is_incomplete_checkpoint, writer_alive
+    from .lifecycle.directory import is_committed, is_incomplete_checkpoint, writer_alive, writer_elsewhere_on_host
     from .lifecycle.root import LATEST_FILE, CheckpointRoot, step_name
     from .loading.dcp import is_dcp_checkpoint, restore_empty_optim_state
     from .state.codec import decode, encode

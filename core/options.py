@@ -77,7 +77,8 @@ def env() -> Env:
 def _replaced(opts: Any, kind: str, changes: dict) -> Any:
     unknown = sorted(set(changes) - {f.name for f in fields(opts)})
     if unknown:
-        raise ValueError(f"unknown {kind} option(s) {unknown}; see unickpt.{kind}")
+        what = "save" if kind == "SaveOptions" else "load"
+        raise ValueError(f"unknown {what} option(s) {unknown}; see unickpt.{kind}")
     return replace(opts, **changes).validated()
 
 

@@ -1,11 +1,24 @@
-"""Shared fixtures: long-lived gloo process pools (one per world size), reused by every test."""
+"""Shared fixtures: long-lived gloo process pools (one per world size), reused by every test.
+
+Tests are laid out by layer: ``unit/`` (no process group), ``dist/`` (real gloo process groups),
+``faults/`` (killed and failing saves), ``plugins/<framework>/``, ``e2e/`` (the demo, the GPU check's dry
+run). Their worker modules are imported by name, here and in the pool's processes (which inherit
+``sys.path``), so every test directory is put on ``sys.path``.
+"""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _dirpath, _dirs, _files in sorted(os.walk(_HERE)):
+    _dirs[:] = sorted(d for d in _dirs if d not in ("__pycache__", "suites"))
+    if _dirpath != _HERE and _dirpath not in sys.path:
+        sys.path.insert(0, _dirpath)
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ from ..errors import CheckpointExistsError, UnickptError
 from ..format.layout import METADATA_FILE, SUBDIRS, WRITER_FILE, is_own_entry, is_own_file, is_partial_entry
 
 __all__ = ["WRITER_STALE_S", "is_committed", "is_incomplete_checkpoint", "writer_record", "writer_is_this_process",
-           "writer_alive", "foreign_entry", "check_removable", "remove_dir", "prepare_target"]
+           "writer_alive", "writer_elsewhere_on_host", "foreign_entry", "check_removable", "remove_dir", "prepare_target"]
 
 log = logging.getLogger("unickpt")
 
@@ -97,6 +97,27 @@ def writer_alive(storage: Any, path: str) -> bool:
         return False
     except (PermissionError, KeyError, ValueError, TypeError):
         return True
+    return True
+
+
+def writer_elsewhere_on_host(storage: Any, path: str) -> bool:
+    """Whether the writer record of ``path`` names another live process of this host (not this
+    process, whose own saves its engines wait for; a writer on another host is not checked)."""
+    rec = _record(storage, path)
+    if rec is None or rec.get("host") != socket.gethostname():
+        return False
+    try:
+        pid = int(rec["pid"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
     return True
 
 

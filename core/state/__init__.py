@@ -5,4 +5,6 @@ of a load. Submodules are imported by name; this package imports nothing."""
 from .._compat import deprecated_getattr as _deprecated
 
 # unickpt 0.1's module ``unickpt.state`` (deprecated names)
-__getattr__ = _deprecated("unickpt.state", ("unickpt.state.flatten",))
+__getattr__ = _deprecated("unickpt.state", ("unickpt.state.flatten",),
+                          frozenset({"flatten", "saved_leaves", "optimizers_untouched", "sharded_tensor_shard",
+                                     "FlatState", "TensorLeaf", "dtensor_box", "check_leaf_fits", "local_nbytes"}))

@@ -11,7 +11,8 @@ Importing this package imports neither torch nor fsspec (the writer process impo
 """
 from __future__ import annotations
 
-from .base import StorageBackend, add_wrapper, open_storage, register_backend
+from .base import StorageBackend
+from .registry import add_wrapper, open_storage, register_backend
 from .local import DIRECT_ALIGN, DirectFile, LocalStorage
 from .retry import is_transient
 
@@ -21,4 +22,4 @@ __all__ = ["StorageBackend", "LocalStorage", "DirectFile", "DIRECT_ALIGN", "open
 from .._compat import deprecated_getattr as _deprecated
 
 # unickpt 0.1's ``Storage(url, storage_options)`` is :func:`open_storage` (deprecated name)
-__getattr__ = _deprecated("unickpt.storage", ("unickpt.storage.base",))
+__getattr__ = _deprecated("unickpt.storage", ("unickpt.storage.registry",), frozenset({"Storage"}))

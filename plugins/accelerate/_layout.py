@@ -18,18 +18,14 @@ writer) is writing into.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import shutil
-import socket
 import threading
 import time
 
-from unickpt.checkpointer import list_checkpoints
-from unickpt.metadata import METADATA_FILE, WRITER_FILE, writer_alive
-from unickpt.storage import Storage
+from unickpt import ext
 
 __all__ = ["STORE_DIR", "store_root", "is_unickpt_folder", "folder_kind", "committed", "checkpoint_folders",
            "newest_number", "newest_loadable", "rotate", "remove_failed", "next_step", "wait_for_writer"]
@@ -63,16 +59,22 @@ def folder_kind(output_dir: str) -> str:
     return "accelerate" if any(n.startswith(_NATIVE_PREFIXES) for n in names) else "none"
 
 
+def _root(output_dir: str) -> ext.CheckpointRoot | None:
+    """The unickpt root inside ``output_dir`` (None when there is none)."""
+    root = store_root(output_dir)
+    return ext.CheckpointRoot(root) if os.path.isdir(root) else None
+
+
 def committed(output_dir: str) -> bool:
     """True when ``output_dir``'s unickpt root holds at least one committed save."""
-    root = store_root(output_dir)
-    return os.path.isdir(root) and any(ok for _, ok in list_checkpoints(root))
+    root = _root(output_dir)
+    return root is not None and bool(root.committed_steps())
 
 
 def next_step(output_dir: str) -> int:
     """The step number for the next save into ``output_dir``: one past every existing ``step_<K>``."""
-    root = store_root(output_dir)
-    steps = [s for s, _ in list_checkpoints(root)] if os.path.isdir(root) else []
+    root = _root(output_dir)
+    steps = [s for s, _ in root.list()] if root is not None else []
     return max(steps) + 1 if steps else 0
 
 
@@ -98,26 +100,10 @@ def newest_number(checkpoints_dir: str) -> int | None:
 def _writer_on_this_host(output_dir: str) -> bool:
     """True when another live process of this host is saving into ``output_dir``'s unickpt root (per
     the writer record of an uncommitted ``step_<K>``)."""
-    root = store_root(output_dir)
-    for step, ok in (list_checkpoints(root) if os.path.isdir(root) else []):
-        if ok:
-            continue
-        try:
-            with open(os.path.join(root, f"step_{step}", WRITER_FILE)) as f:
-                rec = json.load(f)
-            pid = int(rec["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if rec.get("host") != socket.gethostname() or pid == os.getpid():
-            continue  # this process's own saves are waited for by its engine
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        except PermissionError:
-            pass
-        return True
-    return False
+    root = _root(output_dir)
+    if root is None:
+        return False
+    return any(not ok and ext.writer_elsewhere_on_host(root.storage, root.path(step)) for step, ok in root.list())
 
 
 def wait_for_writer(output_dir: str, timeout_s: float = 1800.0) -> bool:
@@ -160,15 +146,11 @@ def remove_failed(output_dir: str) -> bool:
 
 def _busy(path: str, in_flight) -> bool:
     """True when a unickpt save may still be writing inside the Accelerate folder ``path``."""
-    root = store_root(path)
-    if not os.path.isdir(root):
+    root = _root(path)
+    if root is None:
         return False
-    storage = Storage(root)
-    for step, ok in list_checkpoints(root):
-        step_dir = os.path.join(root, f"step_{step}")
-        if not ok and (in_flight(step_dir) or writer_alive(storage, step_dir)):
-            return True
-    return False
+    return any(not ok and (in_flight(root.path(step)) or ext.writer_alive(root.storage, root.path(step)))
+               for step, ok in root.list())
 
 
 def rotate(checkpoints_dir: str, total_limit: int, keep: str, in_flight) -> list[str]:
@@ -206,12 +188,11 @@ def _rotate(checkpoints_dir: str, total_limit: int, keep: str, in_flight) -> lis
             break
         if os.path.abspath(path) == keep or _busy(path, in_flight):
             continue
-        root = store_root(path)
+        root = _root(path)
         try:
-            if os.path.isdir(root):
-                for step, ok in list_checkpoints(root):
-                    if ok:
-                        os.remove(os.path.join(root, f"step_{step}", METADATA_FILE))
+            if root is not None:  # every save in it is uncommitted first, so a half-deleted folder never loads
+                for step, _ in root.list():
+                    ext.remove_checkpoint_dir(root.storage, root.path(step))
             shutil.rmtree(path)
         except FileNotFoundError:  # removed meanwhile by someone else: gone all the same
             if os.path.exists(path):

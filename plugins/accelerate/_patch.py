@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import unickpt
-from unickpt.checkpointer import Checkpointer
-from unickpt.engine import get_engine
+from unickpt import Checkpointer, ext
 
 from . import _layout
 from ._options import Options
@@ -95,13 +94,8 @@ def wait() -> None:
     raise the first failure not yet raised. A save whose Accelerate folder was removed while it was
     being written (by the user, after ``save_state`` returned) is not an error: its target is gone,
     and it is reported as a warning (see :func:`_wait_tracked`)."""
-    import torch.distributed as dist
-
-    from unickpt.engine import _ENGINES
-
     _wait_tracked()
-    key = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    engine = _ENGINES.get(key)
+    engine = ext.default_engine()
     if engine is not None:
         engine.wait()
 
@@ -176,20 +170,6 @@ def _rmtree_after_saves(path: Any, *args: Any, **kwargs: Any) -> Any:
     return _rmtree(path, *args, **kwargs)
 
 
-class _FolderCheckpointer(Checkpointer):
-    """The unickpt root inside one Accelerate folder; keeps its newest committed save only, then
-    runs ``after_commit`` (``total_limit`` rotation) on group rank 0."""
-
-    def __init__(self, root: str, after_commit: Any = None, **kwargs: Any):
-        super().__init__(root, keep_last=1, **kwargs)
-        self._after = after_commit
-
-    def _after_commit(self, step: int) -> None:
-        super()._after_commit(step)
-        if self._after is not None:
-            self._after()
-
-
 def _checkpoints_dir(acc: Any) -> str:
     return os.path.join(acc.project_dir, "checkpoints")
 
@@ -241,7 +221,7 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
     if kwargs:  # Accelerate passes them to DeepSpeed's save_checkpoint only, and ignores them otherwise
         log.warning("unickpt.accelerate: save_state ignores %s (arguments for DeepSpeed's save_checkpoint)",
                     sorted(kwargs))
-    engine = get_engine()
+    engine = ext.engine()
     _wait_tracked()
     engine.wait()  # the previous save commits (or raises) before this one starts
     output_dir = _shared_folder(engine, _output_dir(acc, output_dir), "save_state")
@@ -262,8 +242,10 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
     if acc.project_configuration.automatic_checkpoint_naming and limit is not None:
         checkpoints_dir, keep = _checkpoints_dir(acc), output_dir
         after = lambda: _layout.rotate(checkpoints_dir, limit, keep, engine.in_flight)  # noqa: E731
-    ckpt = _FolderCheckpointer(_layout.store_root(output_dir), after_commit=after,
-                               allow_pickle=opts.allow_pickle or not safe_serialization)
+    # the unickpt root inside this Accelerate folder keeps its newest committed save only, then runs the
+    # total_limit rotation on group rank 0
+    ckpt = Checkpointer(_layout.store_root(output_dir), keep_last=1, on_commit=None if after is None else lambda _: after(),
+                        allow_pickle=opts.allow_pickle or not safe_serialization)
     step: int | None = None
     try:
         state = build_state(acc, indices, opts, saving=True)  # collective on several processes
@@ -307,8 +289,6 @@ def _remove_failed(engine: Any, output_dir: str, step: int | None, error: BaseEx
     """Group rank 0 removes the folder of a save that failed at the call; when the failure was
     agreed by every rank (a bad state, a refused target: the group still works), the other ranks
     wait for it, so that none of them sees the folder in its next ``save_state``."""
-    from unickpt.errors import RankFailuresError
-
     if engine.rank == 0:
         step_dir = os.path.join(_layout.store_root(output_dir), f"step_{step}")
         deadline = time.monotonic() + 30.0
@@ -318,7 +298,7 @@ def _remove_failed(engine: Any, output_dir: str, step: int | None, error: BaseEx
             _layout.remove_failed(output_dir)
         except OSError:
             log.exception("unickpt.accelerate: could not remove %s after a failed save", output_dir)
-    if isinstance(error, Exception) and not isinstance(error, RankFailuresError):
+    if isinstance(error, Exception) and not isinstance(error, unickpt.RankFailuresError):
         try:
             engine.broadcast(None)
         except Exception:  # keep the save's own error
@@ -357,7 +337,7 @@ def _advance_iteration(acc: Any, engine: Any, loaded: int | None) -> None:
 def _load_state(acc: Any, opts: Options, input_dir: str | None, load_kwargs: dict | None, kwargs: dict) -> Any:
     from accelerate.utils import DistributedType
 
-    engine = get_engine()
+    engine = ext.engine()
     _wait_tracked()
     engine.wait()  # a pending save commits first: it may be the one being loaded
     input_dir = _input_dir(acc, input_dir, engine)

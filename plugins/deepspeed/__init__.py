@@ -18,7 +18,7 @@ Activation needs no code: unickpt's startup hook calls :func:`unickpt.deepspeed.
 """
 from __future__ import annotations
 
-from unickpt._lazy import lazy_getattr
+from unickpt.ext import lazy_getattr
 
 __all__ = ["install", "UnickptConfig", "UnickptCheckpointEngine", "save_checkpoint", "load_checkpoint"]
 

@@ -9,8 +9,9 @@ calls ``create_checkpoint_engine``, a name imported into ``deepspeed.runtime.eng
 take unickpt's path (:mod:`unickpt.deepspeed.checkpoint`), every other engine runs DeepSpeed's original
 method with the same arguments.
 
-The unickpt startup hook (:mod:`unickpt._startup`) calls :func:`install` right after ``import deepspeed``
-in every interpreter unless ``UNICKPT_DEEPSPEED=0``. It is cheap: nothing beyond the already imported
+The unickpt startup hook (:mod:`unickpt._startup`, through this package's ``unickpt.startup`` entry point)
+calls :func:`startup` right after ``import deepspeed`` in every interpreter; it installs unless
+``UNICKPT_DEEPSPEED=0``. It is cheap: nothing beyond the already imported
 ``deepspeed.runtime.engine`` is imported until an engine with the block is created.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["install", "installed"]
+__all__ = ["install", "installed", "startup"]
 
 _MARK = "__unickpt_wrapped__"
 
@@ -29,6 +30,15 @@ def installed() -> bool:
 
     mod = sys.modules.get("deepspeed.runtime.engine")
     return mod is not None and getattr(mod.create_checkpoint_engine, _MARK, False)
+
+
+def startup() -> None:
+    """The startup hook's call (right after ``import deepspeed``): :func:`install` unless
+    ``UNICKPT_DEEPSPEED`` is set to a false value (default on)."""
+    from unickpt.ext import flag
+
+    if flag("UNICKPT_DEEPSPEED", True):
+        install()
 
 
 def install() -> None:

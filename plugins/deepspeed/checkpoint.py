@@ -28,13 +28,7 @@ from typing import Any
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
-from unickpt import codec
-from unickpt.engine import get_engine
-from unickpt.errors import StateMismatchError, UnsafeObjectError
-from unickpt.metadata import METADATA_FILE, read_metadata
-from unickpt.state import flatten, saved_leaves
-from unickpt.storage import Storage
-from unickpt.types import Shard
+from unickpt import Shard, StateMismatchError, UnsafeObjectError, ext
 
 from .engine import finish_all_pending, wait_for_tag
 from .zero_state import ZeroLayout, zero_layout
@@ -43,7 +37,7 @@ __all__ = ["save_checkpoint", "load_checkpoint", "LATEST_FILE", "FORMAT"]
 
 log = logging.getLogger("unickpt.deepspeed")
 
-LATEST_FILE = "latest"
+LATEST_FILE = ext.LATEST_FILE  # ``save_dir/latest``: the tag of the newest committed checkpoint (DeepSpeed's name)
 FORMAT = "unickpt.deepspeed/1"
 REPLACING_SUFFIX = ".unickpt-new"  # ``save_dir/.<tag>.unickpt-new``: a save replacing the committed ``<tag>``
 REPLACED_SUFFIX = ".unickpt-old"  # ``save_dir/.<tag>.unickpt-old``: the replaced copy, removed after the swap
@@ -150,12 +144,12 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     # before anything is touched: a client_state that cannot be saved fails the call and changes nothing
     client_enc = _encode_client_state(dict(client_state or {}), cfg.allow_pickle)
     save_dir = os.fspath(save_dir)
-    storage = Storage(save_dir, cfg.storage_options or None)
+    storage = ext.open_storage(save_dir, cfg.storage_options or None)
     path = storage.join(save_dir, tag)
-    uengine = get_engine(None)
+    uengine = ext.engine()
     wait_for_tag(save_dir, tag)  # the same tag twice in a row: the earlier save must finish first
     target = path
-    if storage.exists(storage.join(path, METADATA_FILE)):  # DeepSpeed overwrites an existing tag
+    if storage.exists(storage.join(path, ext.METADATA_FILE)):  # DeepSpeed overwrites an existing tag
         if uengine.rank == 0:
             log.warning("unickpt.deepspeed: replacing the committed checkpoint %s (same tag)", path)
         if storage.is_local:  # save beside it; swapped in at the commit, so a failed save leaves it intact
@@ -170,7 +164,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         if target != path:
             _swap_in(storage, target, path)
         if save_latest:
-            storage.write_atomic(storage.join(save_dir, LATEST_FILE), tag.encode())
+            ext.CheckpointRoot(save_dir, storage=storage).write_latest(tag)
 
     if engine._optimizer_has_ckpt_event_prologue():
         engine.optimizer.checkpoint_event_prologue()
@@ -189,7 +183,7 @@ def _encode_client_state(client_state: dict, allow_pickle: bool) -> Any:
     """``client_state`` as tagged JSON. Raises UnsafeObjectError naming the innermost offending key
     (``client_state.opt.fn``, ``client_state.hist[2]``) when a value needs pickle and it is not allowed."""
     try:
-        return codec.encode(client_state, allow_pickle=allow_pickle, key="client_state")
+        return ext.encode(client_state, allow_pickle=allow_pickle, key="client_state")
     except UnsafeObjectError:
         _raise_at_unsafe(client_state, "client_state")
         raise
@@ -202,7 +196,7 @@ def _raise_at_unsafe(value: Any, key: str) -> None:
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             _raise_at_unsafe(v, f"{key}[{i}]")
-    codec.encode(value, allow_pickle=False, key=key)
+    ext.encode(value, allow_pickle=False, key=key)
 
 
 def _save_state(engine: Any, uengine: Any, cfg: Any, target: str, tag: str, client_enc: Any,
@@ -214,8 +208,8 @@ def _save_state(engine: Any, uengine: Any, cfg: Any, target: str, tag: str, clie
         "module": _module_state(engine, layout, exclude_frozen),
         "optimizer": {
             **_optimizer_state(layout, state_keys, with_moments=True),
-            "scalars": codec.encode(scalars, allow_pickle=False, key="optimizer.scalars"),
-            "param_groups": codec.encode([{k: v for k, v in g.items() if k != "params"}
+            "scalars": ext.encode(scalars, allow_pickle=False, key="optimizer.scalars"),
+            "param_groups": ext.encode([{k: v for k, v in g.items() if k != "params"}
                                           for g in layout.base.param_groups], allow_pickle=False,
                                          key="optimizer.param_groups"),
         },
@@ -235,7 +229,7 @@ def _sibling(path: str, suffix: str) -> str:
     return os.path.join(head, f".{name}{suffix}")
 
 
-def _swap_in(storage: Storage, new: str, path: str) -> None:
+def _swap_in(storage: ext.StorageBackend, new: str, path: str) -> None:
     """Local storage, group rank 0: replace the committed checkpoint ``path`` by the committed ``new``
     with two directory renames (the old copy is removed only after the new one is in place)."""
     final = storage.strip(path)
@@ -252,14 +246,11 @@ def _swap_in(storage: Storage, new: str, path: str) -> None:
 
 
 # -- load -----------------------------------------------------------------------------------------
-def _read_latest(storage: Storage, load_dir: str) -> str | None:
-    try:
-        return storage.read_bytes(storage.join(load_dir, LATEST_FILE)).decode().strip()
-    except FileNotFoundError:
-        return None
+def _read_latest(storage: ext.StorageBackend, load_dir: str) -> str | None:
+    return ext.CheckpointRoot(load_dir, storage=storage).read_latest()
 
 
-def _is_native_deepspeed(storage: Storage, path: str) -> bool:
+def _is_native_deepspeed(storage: ext.StorageBackend, path: str) -> bool:
     try:
         names = storage.listdir(path)
     except (FileNotFoundError, OSError):
@@ -295,7 +286,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     _check_supported(engine)
     finish_all_pending()  # a save still committing (from any engine in this process) may be the one to load
     load_dir = os.fspath(load_dir)
-    storage = Storage(load_dir, cfg.storage_options or None)
+    storage = ext.open_storage(load_dir, cfg.storage_options or None)
     if tag is None:
         tag = _read_latest(storage, load_dir)
         if tag is None:
@@ -304,15 +295,15 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
             return None, None
     tag = str(tag)
     path = storage.join(load_dir, tag)
-    if storage.is_local and not storage.exists(storage.join(path, METADATA_FILE)):
+    if storage.is_local and not storage.exists(storage.join(path, ext.METADATA_FILE)):
         for suffix in (REPLACING_SUFFIX, REPLACED_SUFFIX):  # a crash between the renames of _swap_in
             alt_path = _sibling(path, suffix)
-            if storage.exists(storage.join(alt_path, METADATA_FILE)):
+            if storage.exists(storage.join(alt_path, ext.METADATA_FILE)):
                 log.warning("unickpt.deepspeed: %s is missing (a replacement was interrupted); loading %s",
                             path, alt_path)
                 path = alt_path
                 break
-    if not storage.exists(storage.join(path, METADATA_FILE)) and _is_native_deepspeed(storage, path):
+    if not storage.exists(storage.join(path, ext.METADATA_FILE)) and _is_native_deepspeed(storage, path):
         from deepspeed.runtime.engine import DeepSpeedEngine
 
         log.info("unickpt.deepspeed: %s is a DeepSpeed-native checkpoint; loading it with DeepSpeed", path)
@@ -320,7 +311,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
         return original(engine, load_dir, tag=tag, load_module_strict=load_module_strict,
                         load_optimizer_states=load_optimizer_states,
                         load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
-    meta = read_metadata(storage, path)  # CheckpointNotFoundError when uncommitted or absent
+    meta = ext.read_metadata(path, cfg.storage_options or None)  # CheckpointNotFoundError when uncommitted or absent
     if engine._optimizer_has_ckpt_event_prologue():
         engine.optimizer.checkpoint_event_prologue()
     try:  # the epilogue must run whatever fails (ZeRO-3: it gathers the persistent parameters again)
@@ -329,7 +320,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     finally:
         if engine._optimizer_has_ckpt_event_epilogue():
             engine.optimizer.checkpoint_event_epilogue()
-    return path, codec.decode(client_enc, allow_pickle=cfg.allow_pickle, key="client_state")
+    return path, ext.decode(client_enc, allow_pickle=cfg.allow_pickle, key="client_state")
 
 
 def _load_state(engine: Any, meta: Any, path: str, load_module_strict: bool, load_optimizer_states: bool,
@@ -340,7 +331,7 @@ def _load_state(engine: Any, meta: Any, path: str, load_module_strict: bool, loa
     cfg = ckpt.config
     layout = zero_layout(engine)
     saved_tensors = set(meta.tensors) | set(meta.aliases)
-    _, _, saved_objects = saved_leaves(meta.state_tree)
+    _, _, saved_objects = ext.saved_leaves(meta.state_tree)
     with_moments = load_optimizer_states and not load_module_only
     prefix = "optimizer.state."
     state_keys = sorted({f[len(prefix):].split(".", 1)[0] for f in saved_tensors if f.startswith(prefix)})
@@ -361,7 +352,7 @@ def _load_state(engine: Any, meta: Any, path: str, load_module_strict: bool, loa
         for st, key in injected:
             del st[key]
         raise
-    ckpt.last_load_stats = get_engine(None).load(path, state, strict=False,
+    ckpt.last_load_stats = ext.engine().load(path, state, strict=False,
                                                  storage_options=cfg.storage_options or None,
                                                  allow_pickle=cfg.allow_pickle, verify=cfg.verify)
     info = state["deepspeed"]
@@ -398,7 +389,7 @@ def _load_target(engine: Any, layout: ZeroLayout, path: str, saved_tensors: set,
     if restore_sched:
         state["lr_scheduler"] = engine.lr_scheduler
 
-    flat = flatten(state, for_load=True)
+    flat = ext.flatten(state, for_load=True)
     missing = sorted(set(flat.tensors) - saved_tensors) + sorted(
         f for f in flat.objects if f not in saved_objects and not f.startswith("lr_scheduler"))
     unexpected = sorted(f for f in saved_tensors if f.startswith("module.") and f not in flat.tensors)
@@ -467,13 +458,13 @@ def _saved_plain(saved_objects: dict, fqn: str, twice: bool = False) -> Any:
     """A plain value of the checkpoint's state tree, decoded (``twice``: the plugin encoded it itself)."""
     if fqn not in saved_objects:
         return None
-    value = codec.decode(saved_objects[fqn], key=fqn)
-    return codec.decode(value, key=fqn) if twice else value
+    value = ext.decode(saved_objects[fqn], key=fqn)
+    return ext.decode(value, key=fqn) if twice else value
 
 
 def _restore_optimizer_scalars(layout: ZeroLayout, path: str, scalars_enc: Any, groups_enc: Any) -> None:
-    scalars = codec.decode(scalars_enc, key="optimizer.scalars")
-    groups = codec.decode(groups_enc, key="optimizer.param_groups")
+    scalars = ext.decode(scalars_enc, key="optimizer.scalars")
+    groups = ext.decode(groups_enc, key="optimizer.param_groups")
     scalars = _scalars_for(layout, path, scalars)
     if len(groups) != len(layout.base.param_groups):
         raise StateMismatchError(f"{path!r}: 'optimizer.param_groups': the checkpoint has {len(groups)} param "

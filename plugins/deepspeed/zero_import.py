@@ -52,6 +52,12 @@ def _detect(src: str) -> bool:
 
 
 def _read(src: str, tag: str | None) -> dict:
+    try:
+        import deepspeed.utils.zero_to_fp32  # noqa: F401
+    except ImportError as e:
+        from unickpt import UnickptError
+
+        raise UnickptError(f"importing a DeepSpeed checkpoint needs DeepSpeed (pip install 'unickpt[deepspeed]'): {e}") from None
     return read_zero_checkpoint(src, tag=tag)
 
 

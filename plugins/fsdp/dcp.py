@@ -38,14 +38,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from unickpt import Shard
-from unickpt.codec import str_to_dtype
-from unickpt.dcp_compat import is_dcp_checkpoint, restore_empty_optim_state
-from unickpt.engine import get_engine
-from unickpt.metadata import CheckpointMetadata, read_metadata
-from unickpt.resharding import chunk_pieces
-from unickpt.state import saved_leaves
-from unickpt.storage import Storage
+from unickpt import CheckpointMetadata, Shard, ext
 
 __all__ = ["StorageWriter", "StorageReader", "BYTES_PREFIX", "CHUNK_PREFIX", "GENERATIONS_DIR", "FRAMEWORK"]
 
@@ -110,28 +103,24 @@ def _dcp_group(own: Any, use_collectives: bool = True) -> Any:
     """The process group a writer or reader (constructed with ``process_group=own``) runs unickpt's
     collectives over: DCP's own (``process_group`` of ``dcp.save`` / ``dcp.load``, else ``own``, else the
     world); :data:`unickpt.collectives.THIS_PROCESS` (this process alone) with ``no_dist=True``, without
-    an initialised process group, with ``use_collectives=False``, or when ``own`` is THIS_PROCESS."""
+    an initialised process group, with ``use_collectives=False``, or when ``own`` is ext.THIS_PROCESS."""
     import torch.distributed as dist
 
-    from unickpt.collectives import THIS_PROCESS
-
-    if own is THIS_PROCESS or not use_collectives or not (dist.is_available() and dist.is_initialized()):
-        return THIS_PROCESS
+    if own is ext.THIS_PROCESS or not use_collectives or not (dist.is_available() and dist.is_initialized()):
+        return ext.THIS_PROCESS
     w = _dcp_wrapper()
     if w is None:
         return own
     if not w.use_dist:
-        return THIS_PROCESS
+        return ext.THIS_PROCESS
     return w.group if w.group is not None else own
 
 
 def _all_gather(group: Any, obj: Any) -> list:
-    """Every group rank's ``obj`` (one ``all_gather_object``); ``[obj]`` for THIS_PROCESS or a world of one."""
+    """Every group rank's ``obj`` (one ``all_gather_object``); ``[obj]`` for ext.THIS_PROCESS or a world of one."""
     import torch.distributed as dist
 
-    from unickpt.collectives import THIS_PROCESS
-
-    if group is THIS_PROCESS or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    if group is ext.THIS_PROCESS or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return [obj]
     every: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, obj, group=group)
@@ -164,7 +153,7 @@ def _parse_chunk_key(key: str) -> tuple[str, tuple[int, ...]]:
     return fqn, tuple(int(o) for o in offs.split("_")) if offs else ()
 
 
-def _commit_generation(storage: Storage, path: str, gen: str) -> None:
+def _commit_generation(storage: ext.StorageBackend, path: str, gen: str) -> None:
     """Make the committed save in ``<path>/<gen>`` the checkpoint at ``path``: one atomic replace of
     ``<path>/metadata.json`` by the generation's metadata with its file names prefixed by ``gen``,
     then removal of the checkpoint it replaced (its generation directory, or the data and object
@@ -173,9 +162,7 @@ def _commit_generation(storage: Storage, path: str, gen: str) -> None:
     import json
     import posixpath
 
-    from unickpt.metadata import METADATA_FILE
-
-    doc = json.loads(storage.read_bytes(storage.join(path, gen, METADATA_FILE)))
+    doc = json.loads(storage.read_bytes(storage.join(path, gen, ext.METADATA_FILE)))
     for tm in doc.get("tensors", {}).values():
         for c in tm.get("chunks", []):
             c["file"] = posixpath.join(gen, c["file"])
@@ -183,7 +170,7 @@ def _commit_generation(storage: Storage, path: str, gen: str) -> None:
     if per_rank and per_rank.get("files"):
         per_rank["files"] = [None if f is None else posixpath.join(gen, f) for f in per_rank["files"]]
     doc.setdefault("extra", {}).setdefault("dcp", {})["generation"] = gen
-    top = storage.join(path, METADATA_FILE)
+    top = storage.join(path, ext.METADATA_FILE)
     old = None
     if storage.exists(top):
         try:
@@ -228,11 +215,9 @@ def _plain_value(raw: bytes) -> tuple[bool, Any]:
     """``(True, value)`` when DCP's ``torch.save`` bytes of a non-tensor item hold a value unickpt stores
     as JSON (numbers, strings, None, lists, tuples, dicts of those: restricted unpickling with
     ``weights_only=True``, so nothing runs); ``(False, None)`` otherwise (kept as bytes)."""
-    from unickpt import codec
-
     try:
         value = torch.load(io.BytesIO(raw), weights_only=True)
-        codec.encode(value, allow_pickle=False)
+        ext.encode(value, allow_pickle=False)
     except Exception:  # UnsafeObjectError (not JSON-expressible), UnpicklingError (not weights_only-loadable), ...
         return False, None
     if isinstance(value, torch.Tensor) or _holds_tensor(value):
@@ -316,18 +301,17 @@ class StorageWriter(_DCPWriter, AsyncStager):
             import torch.distributed as dist
 
             r = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
-            self._target = Storage(self.path, self.storage_options).join(self.path, RANK_DIR.format(rank=r))
-        get_engine(self._save_group)  # created collectively here, never first inside a background thread
+            self._target = ext.open_storage(self.path, self.storage_options).join(self.path, RANK_DIR.format(rank=r))
+        ext.engine(self._save_group)  # created collectively here, never first inside a background thread
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._planner_data = plan.planner_data
         if not self.overwrite and self.path is not None:
-            from unickpt.errors import CheckpointExistsError
-            from unickpt.metadata import METADATA_FILE
+            from unickpt import CheckpointExistsError
 
             target = self._target or self.path
-            storage = Storage(target, self.storage_options)
-            if storage.exists(storage.join(target, METADATA_FILE)):
+            storage = ext.open_storage(target, self.storage_options)
+            if storage.exists(storage.join(target, ext.METADATA_FILE)):
                 raise CheckpointExistsError(f"{target!r} already holds a committed checkpoint and the writer has "
                                             "overwrite=False")
         return plan
@@ -398,8 +382,8 @@ class StorageWriter(_DCPWriter, AsyncStager):
         extra = {"dcp": {"planner_data": _jsonable_mapping(self._planner_data), "save_id": generation.rsplit("/", 1)[-1],
                          "chunked": chunked}}
         self._generation = generation
-        storage = Storage(target, self.storage_options)
-        handle = get_engine(self._save_group).save(storage.join(target, generation), state,
+        storage = ext.open_storage(target, self.storage_options)
+        handle = ext.engine(self._save_group).save(storage.join(target, generation), state,
                                                    storage_options=self.storage_options, framework=FRAMEWORK, extra=extra)
         self.stats = handle.stats
         return _done(results)
@@ -461,7 +445,7 @@ class StorageWriter(_DCPWriter, AsyncStager):
         taken = sorted(set(roots) & {".".join(map(str, p)) for p in blocked})  # the same on every rank
         if taken:
             raise ValueError(f"StorageWriter: the non-tensor value {taken[0]!r} has the fqn of a tensor; rename one")
-        return {k: restore_empty_optim_state(_listify(v)) for k, v in roots.items()}
+        return {k: ext.restore_empty_optim_state(_listify(v)) for k, v in roots.items()}
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """DCP's commit point (the coordinator, once every rank has written; every rank with
@@ -471,11 +455,9 @@ class StorageWriter(_DCPWriter, AsyncStager):
         are removed."""
         if self._generation is None:
             raise RuntimeError("StorageWriter.finish: no save was written (write_data did not run)")
-        from unickpt.metadata import writer_alive
-
         target = self._target or self.path
         assert target is not None
-        storage = Storage(target, self.storage_options)
+        storage = ext.open_storage(target, self.storage_options)
         _commit_generation(storage, target, self._generation)
         gens = storage.join(target, GENERATIONS_DIR)
         current = self._generation.rsplit("/", 1)[-1]
@@ -485,7 +467,7 @@ class StorageWriter(_DCPWriter, AsyncStager):
             names = []
         for name in names:
             d = storage.join(gens, name)
-            if name != current and not writer_alive(storage, d):
+            if name != current and not ext.writer_alive(storage, d):
                 try:
                     storage.rm(d)
                 except FileNotFoundError:
@@ -508,7 +490,7 @@ class StorageWriter(_DCPWriter, AsyncStager):
         goes into fresh buffers instead, so the earlier checkpoint keeps the values it staged)."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        get_engine(_dcp_group(self.group))  # on the caller's thread, collectively
+        ext.engine(_dcp_group(self.group))  # on the caller's thread, collectively
         cuda = torch.cuda.is_available()
         options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
                                  use_non_blocking_copy=cuda)
@@ -581,12 +563,12 @@ class StorageReader(_DCPReader):
     def _meta(self) -> CheckpointMetadata:
         if self.meta is None:
             path = self._dir()
-            storage = Storage(path, self.storage_options)
-            if is_dcp_checkpoint(storage, path):
+            storage = ext.open_storage(path, self.storage_options)
+            if ext.is_dcp_checkpoint(storage, path):
                 raise ValueError(f"{path!r} was written by DCP's own FileSystemWriter (.metadata, no metadata.json); "
                                  "unickpt.fsdp.StorageReader reads unickpt checkpoints: load it with dcp.load's default "
                                  "reader, or with unickpt.load(path, state, allow_pickle=True)")
-            self.meta = read_metadata(storage, path)
+            self.meta = ext.read_metadata(path, self.storage_options)
         return self.meta
 
     def read_metadata(self, *args: Any, rank: int | None = None, **kwargs: Any) -> Metadata:
@@ -596,7 +578,7 @@ class StorageReader(_DCPReader):
         with ``use_collectives=False``). Raises CheckpointNotFoundError when there is none."""
         if rank is not None:
             assert self.path is not None
-            self._target = Storage(self.path, self.storage_options).join(self.path, RANK_DIR.format(rank=rank))
+            self._target = ext.open_storage(self.path, self.storage_options).join(self.path, RANK_DIR.format(rank=rank))
             self.meta = None
             self._plain = None
         meta = self._meta()
@@ -610,13 +592,13 @@ class StorageReader(_DCPReader):
                 whole, offsets = _parse_chunk_key(fqn)
                 entry = sdm.get(whole)
                 if entry is None:
-                    entry = sdm[whole] = TensorStorageMetadata(TensorProperties(dtype=str_to_dtype(tm.dtype)),
+                    entry = sdm[whole] = TensorStorageMetadata(TensorProperties(dtype=ext.str_to_dtype(tm.dtype)),
                                                                torch.Size(chunked[whole]), [])
                 entry.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(tm.shape)))
                 continue
             chunks = [ChunkStorageMetadata(torch.Size(p.box.offsets), torch.Size(p.box.lengths))
-                      for c in tm.chunks for p in chunk_pieces(c.spec, tm.shape)]
-            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=str_to_dtype(tm.dtype)), torch.Size(tm.shape), chunks)
+                      for c in tm.chunks for p in ext.chunk_pieces(c.spec, tm.shape)]
+            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=ext.str_to_dtype(tm.dtype)), torch.Size(tm.shape), chunks)
         for alias, source in meta.aliases.items():
             if source in sdm:
                 sdm[alias] = sdm[source]
@@ -635,14 +617,13 @@ class StorageReader(_DCPReader):
         has keys the state to load lacks (FSDP1 ranks that hold no element of a parameter), and then
         needs them (else "Missing key in checkpoint state_dict: optim.param_groups")."""
         if self._plain is None:
-            from unickpt import codec
-            from unickpt.errors import UnsafeObjectError
+            from unickpt import UnsafeObjectError
 
-            _, _, objects = saved_leaves(self._meta().state_tree)
+            _, _, objects = ext.saved_leaves(self._meta().state_tree)
             decoded = {}
             for fqn, enc in objects.items():
                 try:
-                    decoded[fqn] = codec.decode(enc, allow_pickle=False, key=fqn)
+                    decoded[fqn] = ext.decode(enc, allow_pickle=False, key=fqn)
                 except UnsafeObjectError:
                     continue  # a pickled value: not offered to DCP
             self._plain = _flatten_both(decoded) if decoded else {}
@@ -654,7 +635,7 @@ class StorageReader(_DCPReader):
         self.is_coordinator = is_coordinator
         self._load_group = _dcp_group(self.group, use_collectives)
         self._meta()
-        get_engine(self._load_group)
+        ext.engine(self._load_group)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -700,7 +681,7 @@ class StorageReader(_DCPReader):
         for i, item in sorted(((i, it) for i, it in enumerate(plan.items) if it.type != LoadItemType.BYTE_IO),
                               key=lambda x: x[1].storage_index.fqn):
             source, lo = sources[i]
-            stored, target = str_to_dtype(meta.tensors[source].dtype), planner.resolve_tensor(item)
+            stored, target = ext.str_to_dtype(meta.tensors[source].dtype), planner.resolve_tensor(item)
             if target.dtype != stored:
                 mismatch = mismatch or TypeError(
                     f"{item.storage_index.fqn!r}: the checkpoint {self._dir()!r} stores {stored}, the state to load "
@@ -720,7 +701,7 @@ class StorageReader(_DCPReader):
             if source in direct_sources:
                 buf = direct[direct_sources[source]]
             else:
-                buf = torch.empty([b - a for a, b in zip(lo, hi)], dtype=str_to_dtype(tm.dtype))
+                buf = torch.empty([b - a for a, b in zip(lo, hi)], dtype=ext.str_to_dtype(tm.dtype))
             state[source] = Shard(buf, tm.shape, offsets=lo)
             buffers[source] = (buf, lo)
         for item in plan.items:
@@ -733,10 +714,10 @@ class StorageReader(_DCPReader):
             elif fqn not in objects:
                 raise KeyError(f"{fqn!r}: not in the checkpoint {self._dir()!r}")
         if mismatch is None:
-            get_engine(self._load_group).load(self._dir(), state, strict=False, storage_options=self.storage_options,
+            ext.engine(self._load_group).load(self._dir(), state, strict=False, storage_options=self.storage_options,
                                               verify=self.verify)
         else:  # every rank joins the collective load, with nothing to read here, then raises
-            get_engine(self._load_group).load(self._dir(), {}, strict=False, storage_options=self.storage_options,
+            ext.engine(self._load_group).load(self._dir(), {}, strict=False, storage_options=self.storage_options,
                                               verify=self.verify)
             raise mismatch
         for i, item in enumerate(plan.items):

@@ -11,7 +11,7 @@
   optimizer's moments, which have the flat parameter's layout) as flat ranges of the original
   parameters (:class:`unickpt.Shard` with ``flat_range``). Nothing is all-gathered; each rank writes
   its own bytes, and the engine stores them as flat ranges or merges them into row boxes
-  (``get_engine().configure(flat_ranges="merge")``). Loading fills the local flat shard in place
+  (``unickpt.save(..., options=unickpt.SaveOptions(flat_ranges="merge"))``). Loading fills the local flat shard in place
   from whatever layout was saved (FSDP1 at any world size, FSDP2, a single process).
 - FSDP1, ``mode="sharded"`` / ``"full"``: FSDP's own SHARDED_STATE_DICT (``ShardedTensor`` row
   blocks, converted to box shards) or FULL_STATE_DICT (whole tensors on every rank, written once),
@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from unickpt import Shard
-from unickpt.state import sharded_tensor_shard
+from unickpt import Shard, ext
 
 from .flat import FlatUnit, ParamSlice, fsdp1_units, is_fsdp1, module_buffers, unmanaged_params
 
@@ -155,7 +154,7 @@ class FlatOptimizerState:
     For a load, an empty optimizer is initialised first with a zero-gradient, zero-learning-rate step
     (``torch.distributed.checkpoint.state_dict._init_optim_state``, as ``set_optimizer_state_dict``
     does), so that its moments exist to load into; a save leaves it as it is
-    (:func:`unickpt.state.optimizers_untouched`) and records an empty ``state``.
+    (:func:`unickpt.ext.optimizers_untouched`) and records an empty ``state``.
     """
 
     def __init__(self, model: nn.Module, optim: torch.optim.Optimizer, process_group: Any = None):
@@ -348,7 +347,7 @@ def _to_leaves(sd: Any, fqn: str = "") -> Any:
         return Shard(local, tuple(sd.shape), offsets=tuple(offset))
 
     if isinstance(sd, ShardedTensor):
-        return sharded_tensor_shard(sd, fqn)
+        return ext.sharded_tensor_shard(sd, fqn)
     if isinstance(sd, dict):
         return {k: _to_leaves(v, f"{fqn}.{k}" if fqn else str(k)) for k, v in sd.items()}
     return sd

@@ -17,7 +17,7 @@ versions of the sharded routes), :mod:`._callback` and
 """
 from __future__ import annotations
 
-from unickpt._lazy import lazy_getattr
+from unickpt.ext import lazy_getattr
 
 __all__ = ["UnickptCheckpointIO", "UnickptCallback", "UnickptFabricCallback"]
 

@@ -26,7 +26,7 @@ import json
 import posixpath
 import re
 from dataclasses import dataclass
-from unickpt.storage import Storage
+from unickpt import ext
 
 __all__ = ["Pointer", "pointer_from_doc", "data_root", "version_dir", "relative", "resolve", "read_pointer",
            "write_pointer", "is_pointer", "claims_format",
@@ -88,7 +88,7 @@ def resolve(path: str, rel: str) -> str:
     return f"{parent}/{rel}" if parent else rel
 
 
-def read_pointer(storage: Storage, path: str) -> Pointer:
+def read_pointer(storage: ext.StorageBackend, path: str) -> Pointer:
     """Parse the pointer file ``path``.
 
     Raises:
@@ -143,7 +143,7 @@ def pointer_from_doc(path: str, doc: dict) -> Pointer:
     return Pointer(checkpoint=checkpoint, route=route, global_step=step, tensors_from=tensors_from)
 
 
-def is_pointer(storage: Storage, path: str) -> bool:
+def is_pointer(storage: ext.StorageBackend, path: str) -> bool:
     """Whether ``path`` is a readable unickpt-lightning pointer file."""
     try:
         read_pointer(storage, path)
@@ -152,7 +152,7 @@ def is_pointer(storage: Storage, path: str) -> bool:
         return False
 
 
-def claims_format(storage: Storage, path: str) -> bool:
+def claims_format(storage: ext.StorageBackend, path: str) -> bool:
     """Whether ``path`` is a small file that says it is a unickpt-lightning pointer (readable or
     damaged: a reader then raises :func:`read_pointer`'s clear error instead of another format's)."""
     try:
@@ -164,7 +164,7 @@ def claims_format(storage: Storage, path: str) -> bool:
     return isinstance(doc, dict) and doc.get("format") == POINTER_FORMAT
 
 
-def write_pointer(storage: Storage, path: str, pointer: Pointer) -> None:
+def write_pointer(storage: ext.StorageBackend, path: str, pointer: Pointer) -> None:
     """Atomically make ``path`` name ``pointer`` (local: temporary file + rename; object stores: one PUT)."""
     parent = _parent(path)
     if parent:
@@ -172,7 +172,7 @@ def write_pointer(storage: Storage, path: str, pointer: Pointer) -> None:
     storage.write_atomic(path, pointer.to_bytes())
 
 
-def versions(storage: Storage, path: str) -> list[int]:
+def versions(storage: ext.StorageBackend, path: str) -> list[int]:
     """Version numbers ``v`` of every ``P.unickpt/step_<v>`` directory, committed or not, sorted."""
     out = []
     for name in storage.listdir(data_root(path)):
@@ -182,7 +182,7 @@ def versions(storage: Storage, path: str) -> list[int]:
     return sorted(out)
 
 
-def siblings_linking_to(storage: Storage, path: str) -> list[str]:
+def siblings_linking_to(storage: ext.StorageBackend, path: str) -> list[str]:
     """Pointer files in ``path``'s directory (other than ``path``) whose ``tensors_from`` lies in
     ``P.unickpt`` (links that still need ``P``'s tensors)."""
     parent = _parent(path)

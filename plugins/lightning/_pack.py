@@ -432,7 +432,7 @@ def wait_placeholder(path: str, options: dict | None, timeout_s: float) -> None:
     """Wait while ``path`` is a placeholder of a live writer in another process (up to
     ``timeout_s``). Raises ``unickpt.CheckpointNotFoundError`` if its writer is gone or the wait
     times out."""
-    from unickpt.errors import CheckpointNotFoundError
+    from unickpt import CheckpointNotFoundError
 
     deadline = time.monotonic() + timeout_s
     delay = 0.01

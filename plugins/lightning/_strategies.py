@@ -30,8 +30,7 @@ from typing import Any
 
 import torch
 
-from unickpt import codec
-from unickpt.engine import get_engine
+from unickpt import ext
 
 from . import _layout
 from ._layout import Pointer
@@ -323,23 +322,21 @@ def save_sharded(io: Any, strategy: Any, checkpoint: dict, filepath: Any, storag
     io._raise_errors()
     path = _fspath(strategy.broadcast(os.fspath(filepath)))
     options = io._options(storage_options)
-    from unickpt.storage import Storage
-
-    storage = Storage(path, options)
+    storage = ext.open_storage(path, options)
     meta = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, "optimizer_states")}
     if not io._save_pickle():
         _refuse_pickles(path, split(meta, take_tensors=False)[0])
     # encoded here, tensors inline: global rank 0's values, as in Lightning's meta.pt (handed to the
     # engine as one plain value; its own traversal would treat the tensors as replicated leaves)
-    tree = codec.encode(split(meta, take_tensors=False)[0], allow_pickle=io._save_pickle(), key=TREE_KEY)
+    tree = ext.encode(split(meta, take_tensors=False)[0], allow_pickle=io._save_pickle(), key=TREE_KEY)
     with_optimizers = "optimizer_states" in checkpoint
     state = _live_state(strategy, with_optimizers)
-    engine = get_engine(None)
+    engine = ext.engine()
     step = _global_step(checkpoint)
     fingerprint = _fingerprint(_local_tensors(strategy, with_optimizers))
     # save_last right after a top-k save: link only if every rank's tensors are unchanged
     local_link = io._link_source(path, step, fingerprint)
-    links = engine.comm.all_gather(local_link, engine.comm.plan_group)
+    links = engine.all_gather(local_link)
     link = local_link if local_link is not None and all(x == local_link for x in links) else None
     version = engine.broadcast(io._version_for(storage, path) if engine.rank == 0 else None)
     vdir = _layout.version_dir(path, version)
@@ -382,7 +379,7 @@ def load_sharded(io: Any, strategy: Any, checkpoint_path: Any, weights_only: boo
     io._wait()
     path = _fspath(strategy.broadcast(os.fspath(checkpoint_path)))
     options = io._options(None)
-    engine = get_engine(None)
+    engine = ext.engine()
     pointer = _agree_pointer(engine, path, options, foreign=("file", "dir") if original is not None else ())
     if pointer is None:  # Lightning's own checkpoint (before unickpt was turned on): Lightning's own reader
         return original(strategy, checkpoint_path, weights_only=weights_only)
@@ -403,7 +400,7 @@ def load_sharded(io: Any, strategy: Any, checkpoint_path: Any, weights_only: boo
     found = [] if allow else _pickled(state[TREE_KEY])
     if found:
         raise _unsafe(path, found, saving=False)
-    return join(codec.decode(state[TREE_KEY], allow_pickle=allow, key=TREE_KEY), lambda tag: None)
+    return join(ext.decode(state[TREE_KEY], allow_pickle=allow, key=TREE_KEY), lambda tag: None)
 
 
 def deepspeed_config(config: dict, io: Any) -> dict:

@@ -3,7 +3,7 @@
 Lightning's checkpoint is an arbitrary nested dict (``epoch``, ``global_step``, ``state_dict``,
 ``loops``, ``callbacks``, ``optimizer_states`` with integer parameter ids as keys,
 ``lr_schedulers``, ``hyper_parameters``, ...). unickpt stores tensors as tensor leaves and everything
-else as tagged JSON (``unickpt.codec``), which keeps tuples, integer keys, ``OrderedDict``, sets,
+else as tagged JSON (``unickpt.ext.encode``), which keeps tuples, integer keys, ``OrderedDict``, sets,
 dtypes and devices. What the engine's own state traversal would not keep is handled here:
 
 - every ``torch.Tensor`` is taken out of the tree and replaced by a placeholder

@@ -21,11 +21,7 @@ from typing import Any, Callable
 import torch
 from lightning.fabric.plugins import CheckpointIO
 
-from unickpt.collectives import THIS_PROCESS
-from unickpt.engine import Engine, SaveHandle, get_engine
-from unickpt.errors import CheckpointNotFoundError, UnsafeObjectError
-from unickpt.metadata import METADATA_FILE, read_metadata
-from unickpt.storage import Storage
+from unickpt import CheckpointNotFoundError, SaveHandle, UnsafeObjectError, ext
 
 from . import _layout, _pack
 from ._layout import Pointer
@@ -174,7 +170,7 @@ class UnickptCheckpointIO(CheckpointIO):
         pointer is written; raise the first failure."""
         self._wait()
 
-    def _version_for(self, storage: Storage, path: str) -> int:
+    def _version_for(self, storage: ext.StorageBackend, path: str) -> int:
         """The next version number of ``path`` (one above any existing or in-flight version)."""
         with self._lock:
             known = self._next_version.get(path)
@@ -259,10 +255,10 @@ class UnickptCheckpointIO(CheckpointIO):
         """Sharded route (the pointer layout of :mod:`._layout`), after the commit of ``version``
         (background thread, group rank 0): point ``path`` at it, then delete the versions it
         replaces (keeping those that sibling links still read)."""
-        storage = Storage(path, options)
+        storage = ext.open_storage(path, options)
         if pointer.tensors_from is not None:
             source = _layout.resolve(path, pointer.tensors_from)
-            if not storage.exists(f"{source}/{METADATA_FILE}"):
+            if not storage.exists(f"{source}/{ext.METADATA_FILE}"):
                 raise RuntimeError(f"{path!r}: the checkpoint it links to, {source!r}, did not commit; "
                                    f"{path!r} was not updated")
         old = _read_pointer_or_none(storage, path)
@@ -303,10 +299,10 @@ class UnickptCheckpointIO(CheckpointIO):
         import torch.distributed as dist
 
         multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        return self._load(path, map_location, weights_only, get_engine(None) if multi else _Solo())
+        return self._load(path, map_location, weights_only, ext.engine() if multi else _Solo())
 
     def _load(self, path: Any, map_location: Any, weights_only: bool | None, engine: Any) -> dict[str, Any]:
-        """:meth:`load_checkpoint` over ``engine``'s process group (``get_engine(THIS_PROCESS)``: this
+        """:meth:`load_checkpoint` over ``engine``'s process group (``ext.engine(ext.THIS_PROCESS)``: this
         process alone, as ``LightningModule.load_from_checkpoint`` reads, see :mod:`._strategies`).
 
         First waits for every save of ``path`` still in flight in this process (any instance; on
@@ -349,20 +345,15 @@ class UnickptCheckpointIO(CheckpointIO):
                    weights_only: bool | None) -> dict[str, Any]:
         """Read the pack at ``path`` in this process alone (every rank reads the file itself, as
         ``torch.load`` does), through one open handle (a concurrent replacement is not seen)."""
-        from unickpt.loading import load_checkpoint
-
         allow = self._load_pickle(weights_only)
-        from unickpt.collectives import Comm
-
-        comm = Comm.solo()
         with _pack.open_pack(path, options) as (url, _index):
             template = _tensor_template(url, None)
             state: dict[str, Any] = {TENSORS_KEY: template, TREE_KEY: None} if template else {TREE_KEY: None}
             try:
-                load_checkpoint(comm, url, state, strict=True, allow_pickle=allow, verify=self.verify,
+                ext.load_solo(url, state, strict=True, allow_pickle=allow, verify=self.verify,
                                 redistribute=False)
             except UnsafeObjectError as e:
-                found = _pickled(read_metadata(Storage(url), url).state_tree.get(TREE_KEY))
+                found = _pickled(ext.read_metadata(url).state_tree.get(TREE_KEY))
                 raise (_unsafe(path, found, saving=False) if found else e) from None
         move = _mover(map_location)
         return join(state[TREE_KEY], lambda tag: move(template[tag[TENSOR_TAG]], tag.get("device")))
@@ -387,7 +378,7 @@ class UnickptCheckpointIO(CheckpointIO):
                 state = {TREE_KEY: None}
                 engine.load(vdir, state, strict=True, storage_options=options, allow_pickle=allow, verify=self.verify)
         except UnsafeObjectError as e:
-            found = _pickled(read_metadata(Storage(vdir, options), vdir).state_tree.get(TREE_KEY))
+            found = _pickled(ext.read_metadata(vdir, options).state_tree.get(TREE_KEY))
             raise (_unsafe(path, found, saving=False) if found else e) from None
         if pointer.tensors_from is not None:
             source = _layout.resolve(path, pointer.tensors_from)
@@ -418,7 +409,7 @@ class UnickptCheckpointIO(CheckpointIO):
             readers = [p for p, target in self._pending_links.items() if target.startswith(root) and p in self._pending]
         for p in readers:
             self._wait(p)
-        storage = Storage(path, options)
+        storage = ext.open_storage(path, options)
         pointer = _read_pointer_or_none(storage, path)
         if pointer is None:
             if storage.exists(path):
@@ -450,16 +441,16 @@ class UnickptCheckpointIO(CheckpointIO):
 
 
 # -- module helpers ----------------------------------------------------------------------------------
-_ENGINE: list[Engine] = []  # the engine of io-route saves (this process alone), while saves need it
+_ENGINE: list[ext.EngineHandle] = []  # the engine of io-route saves (this process alone), while saves need it
 _ENGINE_LOCK = threading.Lock()
 _RUNNING = [0]  # Trainer runs in progress in this process (see trainer_running)
 
 
-def _io_engine() -> Engine:
+def _io_engine() -> ext.EngineHandle:
     """The engine that writes io-route saves (one process), started on first use."""
     with _ENGINE_LOCK:
         if not _ENGINE:
-            _ENGINE.append(Engine(THIS_PROCESS))
+            _ENGINE.append(ext.new_engine(ext.THIS_PROCESS))
         return _ENGINE[0]
 
 
@@ -617,7 +608,7 @@ def _rm_staged(staged: str) -> None:
 def _collect_old_layout(path: str, options: dict | None) -> None:
     """Delete ``P.unickpt`` (the data of the pointer layout) once ``path`` no longer is a pointer and
     no sibling link reads it."""
-    storage = Storage(path, options)
+    storage = ext.open_storage(path, options)
     root = _layout.data_root(path)
     if storage.exists(root) and not _layout.siblings_linking_to(storage, path):
         storage.rm(root)
@@ -639,9 +630,8 @@ def _wait_at_exit() -> None:
 
 def _refuse_pickles(path: str, tree: Any) -> None:
     """Raise :func:`_unsafe` if the tensor-free ``tree`` holds a value only pickle can store."""
-    from unickpt import codec
 
-    found = _pickled(codec.encode(tree, allow_pickle=True))
+    found = _pickled(ext.encode(tree, allow_pickle=True))
     if found:
         raise _unsafe(path, found, saving=True)
 
@@ -669,20 +659,20 @@ def _fingerprint(tensors: dict[str, torch.Tensor]) -> tuple:
     return tuple(out)
 
 
-def _read_pointer_or_none(storage: Storage, path: str) -> Pointer | None:
+def _read_pointer_or_none(storage: ext.StorageBackend, path: str) -> Pointer | None:
     try:
         return _layout.read_pointer(storage, path)
     except (OSError, ValueError):
         return None
 
 
-def _rm_version(storage: Storage, vdir: str) -> None:
+def _rm_version(storage: ext.StorageBackend, vdir: str) -> None:
     # uncommit first, so a half-deleted version is never loadable
-    storage.rm(f"{vdir}/{METADATA_FILE}")
+    storage.rm(f"{vdir}/{ext.METADATA_FILE}")
     storage.rm(vdir)
 
 
-def _collect_link_target(storage: Storage, link_path: str, target_vdir: str) -> None:
+def _collect_link_target(storage: ext.StorageBackend, link_path: str, target_vdir: str) -> None:
     """Delete ``target_vdir`` (a version another path's link read) once nothing needs it: its own
     pointer names another version (or is gone) and no sibling link reads it."""
     owner = target_vdir.rsplit("/", 1)[0]
@@ -704,7 +694,6 @@ def _collect_link_target(storage: Storage, link_path: str, target_vdir: str) -> 
 def _pickled(encoded: Any, path: tuple = ()) -> list[tuple[str, str]]:
     """``(key path, class)`` of every pickled value in a codec-encoded checkpoint tree (for errors:
     ``hyper_parameters.args``, not just the top-level key)."""
-    from unickpt import codec
 
     out: list[tuple[str, str]] = []
     if isinstance(encoded, list):
@@ -720,7 +709,7 @@ def _pickled(encoded: Any, path: tuple = ()) -> list[tuple[str, str]]:
             if tag in ("__odict__", "__dict__"):
                 for k, v in body:
                     try:
-                        name = codec.decode(k)
+                        name = ext.decode(k)
                     except Exception:  # noqa: BLE001 - a pickled key: name it by position
                         name = "<key>"
                     out += _pickled(v, path + (name,))
@@ -755,10 +744,7 @@ class _Solo:
         return obj
 
     def load(self, path: str, state: dict, **kwargs: Any) -> Any:
-        from unickpt.collectives import Comm
-        from unickpt.loading import load_checkpoint
-
-        return load_checkpoint(Comm.solo(), path, state, **kwargs)
+        return ext.load_solo(path, state, **kwargs)
 
 
 def _agree_pointer(engine: Any, path: str, options: dict | None, foreign: tuple = ()) -> Pointer | None:
@@ -769,7 +755,7 @@ def _agree_pointer(engine: Any, path: str, options: dict | None, foreign: tuple 
     Lightning's own reader."""
     result: Any = None
     if engine.rank == 0:
-        storage = Storage(path, options)
+        storage = ext.open_storage(path, options)
         try:
             if not storage.exists(path):
                 hint = ""
@@ -798,14 +784,12 @@ def _agree_pointer(engine: Any, path: str, options: dict | None, foreign: tuple 
 def _tensor_template(vdir: str, options: dict | None) -> dict[str, torch.Tensor]:
     """Empty CPU tensors of the stored dtypes and shapes, one per stored tensor under ``tensors``
     (tied tensors share one)."""
-    from unickpt.codec import str_to_dtype
-
-    meta = read_metadata(Storage(vdir, options), vdir)
+    meta = ext.read_metadata(vdir, options)
     prefix = TENSORS_KEY + "."
     out: dict[str, torch.Tensor] = {}
     for fqn, tm in meta.tensors.items():
         if fqn.startswith(prefix):
-            out[fqn[len(prefix):]] = torch.empty(tuple(tm.shape), dtype=str_to_dtype(tm.dtype))
+            out[fqn[len(prefix):]] = torch.empty(tuple(tm.shape), dtype=ext.str_to_dtype(tm.dtype))
     for alias, target in meta.aliases.items():
         if alias.startswith(prefix) and target.startswith(prefix):
             out[alias[len(prefix):]] = out[target[len(prefix):]]

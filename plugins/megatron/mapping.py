@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 import torch
 
-from unickpt import Shard, codec
+from unickpt import Shard, ext
 
 __all__ = ["OBJECT_PREFIX", "KeyInfo", "SavePrep", "LoadTarget", "prepare_save", "agree_layout", "build_save_state",
            "to_load_targets", "is_main_replica", "global_flat_range", "encode_object", "decode_object",
@@ -104,13 +104,13 @@ def encode_object(value: Any, key: str, allow_pickle: bool) -> torch.Tensor:
 
     Raises UnsafeObjectError (naming ``key``) for a value only pickle can store and ``allow_pickle`` off.
     """
-    text = json.dumps(codec.encode(value, allow_pickle=allow_pickle, key=key), separators=(",", ":"))
+    text = json.dumps(ext.encode(value, allow_pickle=allow_pickle, key=key), separators=(",", ":"))
     return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
 
 
 def decode_object(buf: torch.Tensor, key: str, allow_pickle: bool) -> Any:
     """Inverse of :func:`encode_object`. Raises UnsafeObjectError for a pickle and ``allow_pickle`` off."""
-    return codec.decode(json.loads(bytes(buf.numpy()).decode()), allow_pickle=allow_pickle, key=key)
+    return ext.decode(json.loads(bytes(buf.numpy()).decode()), allow_pickle=allow_pickle, key=key)
 
 
 
@@ -205,15 +205,13 @@ def prepare_save(sharded_state_dict: Any, *, allow_pickle: bool = False, balance
     values are ignored: megatron's common strategy saves them in ``common.pt``."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    from unickpt.codec import dtype_to_str
-
     out = SavePrep()
     for sh in _values(sharded_state_dict):
         if isinstance(sh, ShardedTensor):
             if sh.key.startswith(OBJECT_PREFIX):
                 out.errors.append(f"ShardedTensor key {sh.key!r} uses the prefix {OBJECT_PREFIX!r} reserved for ShardedObjects")
                 continue
-            info = KeyInfo(tuple(int(n) for n in sh.global_shape), dtype_to_str(sh.dtype), sh.prepend_axis_num).to_json()
+            info = KeyInfo(tuple(int(n) for n in sh.global_shape), ext.dtype_to_str(sh.dtype), sh.prepend_axis_num).to_json()
             if out.infos.setdefault(sh.key, info) != info:
                 out.errors.append(f"ShardedTensor {sh.key!r}: shards disagree on global shape / dtype / prepended "
                                   f"axes: {out.infos[sh.key]} and {info}")
@@ -352,8 +350,6 @@ def to_load_targets(sharded_state_dict: Any, infos: dict[str, KeyInfo], object_s
     tensor. Requested objects missing from ``object_sizes`` are left out (the caller's policy)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    from unickpt.codec import dtype_to_str
-
     out = LoadTarget()
 
     def put(fqn: str, leaf: Any) -> None:
@@ -368,7 +364,7 @@ def to_load_targets(sharded_state_dict: Any, infos: dict[str, KeyInfo], object_s
             if sh.data is None:
                 sh.init_data("cpu")
             info = infos.get(sh.key)
-            want = (tuple(int(n) for n in sh.global_shape), dtype_to_str(sh.data.dtype), sh.prepend_axis_num)
+            want = (tuple(int(n) for n in sh.global_shape), ext.dtype_to_str(sh.data.dtype), sh.prepend_axis_num)
             if info is None:
                 out.errors.append(f"ShardedTensor {sh.key!r} is not in the checkpoint")
                 continue

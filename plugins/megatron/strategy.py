@@ -35,10 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unickpt.engine import get_engine
-from unickpt.errors import IntegrityError, SaveFailedError, StateMismatchError
-from unickpt.metadata import METADATA_FILE, read_metadata
-from unickpt.storage import Storage
+from unickpt import IntegrityError, SaveFailedError, StateMismatchError, ext
 
 from .mapping import (OBJECT_PREFIX, KeyInfo, agree_layout, build_save_state, decode_object, prepare_save,
                       stored_object_sizes, to_load_targets)
@@ -84,12 +81,12 @@ def _clear_previous(engine: Any, checkpoint_dir: Any, path: str) -> list[str]:
     if engine.in_flight(path) or path in _UNFINALIZED:
         return [f"a save into {os.fspath(checkpoint_dir)!r} started by this process is still in flight (its "
                 "AsyncRequest is not finalized); finalize it before saving there again"]
-    storage = Storage(path)
-    if not storage.exists(storage.join(path, METADATA_FILE)):
+    storage = ext.open_storage(path)
+    if not storage.exists(storage.join(path, ext.METADATA_FILE)):
         return []
     log.warning("unickpt.megatron: overwriting the checkpoint in %s (megatron's overwrite semantics)", checkpoint_dir)
     try:
-        storage.rm(storage.join(os.fspath(checkpoint_dir), METADATA_FILE))
+        storage.rm(storage.join(os.fspath(checkpoint_dir), ext.METADATA_FILE))
         storage.rm(path)
     except OSError as e:
         return [f"cannot remove the previous checkpoint in {os.fspath(checkpoint_dir)!r}: {type(e).__name__}: {e}"]
@@ -152,7 +149,7 @@ class UnickptSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def _start(self, sharded_state_dict: Any, checkpoint_dir: Any, async_save: bool):
         path = unickpt_dir(checkpoint_dir)
-        engine = get_engine(self.process_group)  # collective on first use: every rank, before rank 0 works alone
+        engine = ext.engine(self.process_group)  # collective on first use: every rank, before rank 0 works alone
         prep = prepare_save(sharded_state_dict, allow_pickle=self.allow_pickle, balance_replicas=self.balance_replicas)
         infos, errors = agree_layout(_gather((prep.infos, prep.splits, prep.errors), self.process_group))
         if errors:
@@ -247,7 +244,7 @@ class UnickptLoadShardedStrategy(LoadShardedStrategy):
         """``(unickpt path, its CheckpointMetadata, key -> KeyInfo)``. Raises CheckpointNotFoundError,
         IntegrityError when the metadata lacks the megatron key table."""
         path = unickpt_dir(checkpoint_dir)
-        meta = read_metadata(Storage(path), path)
+        meta = ext.read_metadata(path)
         try:
             keys = meta.extra["megatron"]["keys"]
             infos = {k: KeyInfo.from_json(d) for k, d in keys.items()}
@@ -271,7 +268,7 @@ class UnickptLoadShardedStrategy(LoadShardedStrategy):
             raise StateMismatchError(f"{path!r}: the checkpoint does not match the requested sharded state: "
                                      + "; ".join(lines[:20]) + (f" ... ({len(lines)} in all)" if len(lines) > 20 else ""))
         rounds = max(n for _, n in gathered)
-        engine = get_engine(self.process_group)
+        engine = ext.engine(self.process_group)
         with torch.no_grad():
             for i in range(rounds):
                 engine.load(path, target.rounds[i] if i < len(target.rounds) else {}, strict=False,
@@ -313,11 +310,9 @@ class UnickptLoadShardedStrategy(LoadShardedStrategy):
         """Every stored ShardedTensor key -> a data-less ShardedTensor with its global shape and dtype."""
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-        from unickpt.codec import str_to_dtype
-
         _, _, infos = self._metadata(checkpoint_dir)
         return {k: ShardedTensor.from_rank_offsets(
-                    k, torch.empty(i.shape, dtype=str_to_dtype(i.dtype), device="meta")).without_data()
+                    k, torch.empty(i.shape, dtype=ext.str_to_dtype(i.dtype), device="meta")).without_data()
                 for k, i in infos.items()}
 
     def load_sharded_metadata(self, checkpoint_dir: str | Path) -> dict:
