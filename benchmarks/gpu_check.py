@@ -299,7 +299,7 @@ class Ctx:
 
     def pools(self) -> list[dict]:
         return [{"index": p.index, "allocations": p.allocations, "capacity_bytes": p.capacity_bytes,
-                 "pinned": bool(p.pinned)} for p in self.engine()._pools]
+                 "pinned": bool(p.pinned)} for p in self.engine().saver.pipeline.pools]
 
     def host_stats(self) -> dict | None:
         """torch's pinned host allocator counters (None where this torch has none or CUDA is off)."""
@@ -336,7 +336,7 @@ class Ctx:
     def release_rings(self) -> None:
         """Free unickpt's staging rings (both idle here), so that the next system or phase starts without
         them holding pinned host memory; the next save allocates a ring again."""
-        for p in self.engine()._pools:
+        for p in self.engine().saver.pipeline.pools:
             if not p.released.wait(60):
                 raise RuntimeError(f"staging ring {p.index} still in use after 60 s")
             p.close()
@@ -628,7 +628,7 @@ def phase_correctness(ctx: Ctx, budget: Budget) -> dict:
         unickpt.load(path, state2)
         res = _check_loaded(ctx, ref, model2, optim2, extras2)
         s = h.stats
-        ring = ctx.engine()._pools[s.pool_index]
+        ring = ctx.engine().saver.pipeline.pools[s.pool_index]
         res.update(state_bytes=state_bytes, call_s=rnd(call_s, 5), stall_s=rnd(s.stall_s, 5),
                    stall_at_return_s=rnd(stall_at_return, 5), snapshot_s=rnd(s.snapshot_s, 5),
                    stage_s=rnd(s.stage_s, 5), snapshot_done_at_return=bool(snap_done_at_return),
@@ -790,7 +790,7 @@ def phase_d2h(ctx: Ctx, budget: Budget) -> dict:
         rows.append({"warmup": i == 0, "stall_s": s.stall_s, "stage_s": s.stage_s, "snapshot_s": s.snapshot_s,
                      "plan_s": s.plan_s, "bytes_staged": s.bytes_staged, "total_s": s.total_s,
                      "pool_allocations": s.pool_allocations, "pool_capacity_bytes": s.pool_capacity,
-                     "streamed": s.streamed, "ring_pinned": ctx.engine()._pools[s.pool_index].pinned,
+                     "streamed": s.streamed, "ring_pinned": ctx.engine().saver.pipeline.pools[s.pool_index].pinned,
                      "host_stats": ctx.host_stats()})
         ctx.rm(path)
     timed = [r for r in rows if not r["warmup"]] or rows

@@ -81,6 +81,15 @@ class _Loader:  # the importlib loader protocol (importlib.abc is not imported: 
         mod.__getattr__ = deprecated_getattr(spec.name, OLD_MODULES[spec.name])  # type: ignore[attr-defined]
         return mod
 
+    def get_code(self, name: str) -> Any:
+        """``python -m unickpt.cli`` (runpy asks the loader for the code to run as ``__main__``)."""
+        if name != "unickpt.cli":
+            return None
+        return compile("import sys\nfrom unickpt.tools.cli import main\nsys.exit(main())\n", "<unickpt.cli>", "exec")
+
+    def is_package(self, name: str) -> bool:
+        return False
+
     def exec_module(self, module: types.ModuleType) -> None:
         warnings.warn(f"{module.__name__} is deprecated (unickpt 0.2 is laid out by layer); import from "
                       f"{' / '.join(OLD_MODULES[module.__name__])}", DeprecationWarning, stacklevel=2)
@@ -91,7 +100,7 @@ class _Loader:  # the importlib loader protocol (importlib.abc is not imported: 
 class _Finder:  # the importlib meta path finder protocol
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname in OLD_MODULES:
-            return importlib.machinery.ModuleSpec(fullname, _Loader())
+            return importlib.machinery.ModuleSpec(fullname, _Loader(), origin=f"<deprecated {fullname}>")
         return None
 
 

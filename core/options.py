@@ -205,8 +205,8 @@ class LoadOptions:
         raises ValueError naming the field for a bad value."""
         e = env()
         opts = replace(self, redistribute=e.load_redistribute if self.redistribute is None else self.redistribute,
-                       read_buffer_bytes=self.read_buffer_bytes or e.load_buffer_bytes,
-                       read_threads=self.read_threads or e.read_threads)
+                       read_buffer_bytes=e.load_buffer_bytes if self.read_buffer_bytes is None else self.read_buffer_bytes,
+                       read_threads=e.read_threads if self.read_threads is None else self.read_threads)
         if opts.read_buffer_bytes < 1:
             raise ValueError(f"read_buffer_bytes must be positive, got {opts.read_buffer_bytes}")
         if opts.read_threads < 1:

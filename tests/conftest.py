@@ -15,7 +15,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-for _dirpath, _dirs, _files in sorted(os.walk(_HERE)):
+for _dirpath, _dirs, _files in os.walk(_HERE):  # not tests/suites: its lightning.py would shadow lightning
     _dirs[:] = sorted(d for d in _dirs if d not in ("__pycache__", "suites"))
     if _dirpath != _HERE and _dirpath not in sys.path:
         sys.path.insert(0, _dirpath)

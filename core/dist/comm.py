@@ -21,7 +21,7 @@ class _ThisProcess:
     """Type of :data:`THIS_PROCESS`."""
 
     def __repr__(self) -> str:
-        return "unickpt.collectives.THIS_PROCESS"
+        return "unickpt.ext.THIS_PROCESS"
 
 
 THIS_PROCESS = _ThisProcess()

@@ -109,16 +109,15 @@ class FaultyStorage(StorageBackend):
         self.is_local = inner.is_local
 
     def _before(self, op: str, path: str) -> list[Fault]:
-        """Apply the matching faults that act before ``op``; return those that act after it."""
+        """Apply the matching faults that act before ``op``; return those that act later (after it, or,
+        for ``write``'s truncate / kill and for ``fsync``, on the bytes inside write_file)."""
         later = []
         for f in self.faults:
             if f._hit(op, path):
-                if f.after:
+                if f.after or op == "fsync" or (op == "write" and f.action in ("truncate", "kill")):
                     later.append(f)
-                elif not (op == "write" and f.action in ("truncate", "kill")):
-                    f._act(path)
                 else:
-                    later.append(f)  # applied to the bytes by write_file
+                    f._act(path)
         return later
 
     @staticmethod

@@ -21,7 +21,7 @@ LAYERS = [
     {"unickpt.plan"},
     {"unickpt.saving", "unickpt.loading"},
     {"unickpt.engine", "unickpt.teardown", "unickpt.api", "unickpt.checkpointer"},
-    {"unickpt.ext", "unickpt.tools", "unickpt.testing", "unickpt._startup", "unickpt"},
+    {"unickpt.ext", "unickpt.tools", "unickpt.testing", "unickpt._startup", "unickpt.__main__", "unickpt"},
 ]
 PLUGIN_NAMES = sorted(d for d in os.listdir(PLUGINS) if os.path.isdir(os.path.join(PLUGINS, d)) and d != "__pycache__")
 

@@ -307,7 +307,6 @@ def phase_errors(out: str) -> None:
 def phase_replace(out: str) -> None:
     """Saving a tag again (ZeRO-3): the call waits for a save to that tag still in flight, and the committed
     tag stays loadable until the new save commits (a refused or failed replacement leaves it intact)."""
-    from unickpt.engine import Engine
     from unickpt.errors import SaveFailedError, UnsafeObjectError
 
     d = os.path.join(out, "replace")
@@ -325,24 +324,21 @@ def phase_replace(out: str) -> None:
         assert str(err).startswith("'client_state.v': a value of class builtins.object has no JSON"), str(err)
     else:
         raise AssertionError("an unsavable client_state did not raise")
-    original = Engine._write_per_rank
+    import contextlib
+    import errno
 
-    def fail_on_rank1(self, commit):
-        if self.rank == 1:
-            raise OSError("injected: disk full")
-        return original(self, commit)
+    from unickpt.testing import Fault, inject
 
-    Engine._write_per_rank = fail_on_rank1
-    try:  # a replacement that fails in the background, after save_checkpoint returned
+    disk_full = Fault("write", match="*/data/*", nth=None, errno=errno.ENOSPC)
+    with inject(disk_full) if dist.get_rank() == 1 else contextlib.nullcontext():
+        # a replacement that fails in the background (rank 1's data files), after save_checkpoint returned
         e.save_checkpoint(d, client_state={"v": 3})
         try:
             e.checkpoint_engine.finish_pending()
         except SaveFailedError as err:
-            assert "injected: disk full" in str(err), str(err)
+            assert "No space left on device (injected: write of" in str(err), str(err)
         else:
             raise AssertionError("the injected failure was not raised")
-    finally:
-        Engine._write_per_rank = original
     assert open(os.path.join(d, "latest")).read() == "global_step1"
     e2 = make("z3", seed=1)
     path, client = e2.load_checkpoint(d)

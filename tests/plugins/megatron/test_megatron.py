@@ -63,7 +63,7 @@ def test_layout_on_disk(saved_tp2):
     assert keys["decoder.layers.mlp.linear_fc1.weight"] == {"shape": [2, 256, 32], "dtype": "float32", "prepend": 1,
                                                            "split": [0, 2]}
     assert set(keys) == set(full)
-    out = subprocess.run([sys.executable, "-m", "unickpt.cli", "verify", os.path.join(path, "unickpt")],
+    out = subprocess.run([sys.executable, "-m", "unickpt", "verify", os.path.join(path, "unickpt")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
 

@@ -1,0 +1,170 @@
+"""The seams of the restructured core: the plugin interface (unickpt.ext), per-call options and the
+environment, the fault-injecting storage backend, and the deprecated 0.1 module paths."""
+from __future__ import annotations
+
+import errno
+import os
+import warnings
+
+import pytest
+import torch
+
+import unickpt
+from unickpt import ext
+from unickpt.testing import Fault, FaultyStorage, inject
+
+
+def test_every_ext_name_resolves():
+    for name in ext.__all__:
+        assert getattr(ext, name) is not None, name
+
+
+def test_engine_handle_saves_loads_and_tracks_paths_in_flight(tmp_path):
+    handle = ext.engine()
+    assert (handle.rank, handle.world_size) == (0, 1)
+    with inject(Fault("rename", match="*metadata.json", action="hold", delay_s=30)) as (gate,):
+        h = handle.save(str(tmp_path / "c"), {"w": torch.arange(4.0)}, async_save=True, framework="test",
+                        extra={"k": 1})
+        assert handle.in_flight(str(tmp_path / "c")) and not h.done()
+        gate.release()
+        handle.wait()
+    assert not handle.in_flight(str(tmp_path / "c"))
+    meta = ext.read_metadata(str(tmp_path / "c"))
+    assert meta.framework == "test" and meta.extra == {"k": 1}
+    out = {"w": torch.zeros(4)}
+    stats = handle.load(str(tmp_path / "c"), out)
+    assert torch.equal(out["w"], torch.arange(4.0)) and stats.bytes_read == 16
+    with pytest.raises(RuntimeError, match="only an engine made by new_engine"):
+        handle.close()
+
+
+def test_new_engine_is_private_and_closes(tmp_path):
+    own = ext.new_engine(ext.THIS_PROCESS)
+    own.save(str(tmp_path / "c"), {"w": torch.ones(3)}).wait()
+    own.close()
+    out = {"w": torch.zeros(3)}
+    ext.load_solo(str(tmp_path / "c"), out)
+    assert torch.equal(out["w"], torch.ones(3))
+
+
+def test_flag_reads_a_boolean_switch(monkeypatch):
+    monkeypatch.delenv("UNICKPT_TEST_FLAG", raising=False)
+    assert ext.flag("UNICKPT_TEST_FLAG", True) is True and ext.flag("UNICKPT_TEST_FLAG", False) is False
+    for value, want in (("0", False), ("off", False), ("No", False), ("1", True), ("yes", True), (" ", True)):
+        monkeypatch.setenv("UNICKPT_TEST_FLAG", value)
+        assert ext.flag("UNICKPT_TEST_FLAG", True) is want, value
+
+
+def test_checkpoint_root_rules(tmp_path):
+    root = ext.CheckpointRoot(str(tmp_path))
+    for step in (1, 2, 3):
+        unickpt.save(root.path(step), {"w": torch.full((2,), float(step))})
+    os.makedirs(tmp_path / "step_01")  # not a name Checkpointer writes: ignored
+    os.makedirs(tmp_path / "step_4" / "data")  # a crashed save
+    assert root.list() == [(1, True), (2, True), (3, True), (4, False)]
+    assert root.read_latest() is None
+    root.retain(keep_last=2, newest=3, in_flight=lambda p: False)
+    assert root.list() == [(2, True), (3, True), (4, False)] and root.read_latest() == "step_3"
+    root.write_latest("step_2")
+    root.update_latest()  # never left behind a newer commit
+    assert root.read_latest() == "step_3"
+    ext.remove_checkpoint_dir(root.storage, root.path(3))
+    assert not ext.is_committed(root.storage, root.path(3)) and not os.path.exists(root.path(3))
+
+
+# -- options ----------------------------------------------------------------------------------------
+def test_options_are_validated_and_name_the_field():
+    with pytest.raises(ValueError, match=r"snapshot must be one of \['sync', 'overlap'\], got 'later'"):
+        unickpt.SaveOptions(snapshot="later").validated()
+    with pytest.raises(ValueError, match=r"unknown save option\(s\) \['pool_size'\]"):
+        unickpt.SaveOptions().with_(pool_size=1)
+    with pytest.raises(ValueError, match="read_threads must be at least 1, got 0"):
+        unickpt.LoadOptions(read_threads=0).validated()
+    with pytest.raises(ValueError, match=r"unknown load option\(s\) \['threads'\]"):
+        unickpt.LoadOptions().with_(threads=2)
+
+
+def test_environment_gives_defaults_and_calls_override_them():
+    from unickpt.options import Env
+
+    env = Env.read({"UNICKPT_POOL_BYTES": "67108864", "UNICKPT_LOAD_REDISTRIBUTE": "1",
+                    "UNICKPT_READ_THREADS": "7", "UNICKPT_CHECK_REPLICAS": "off"})
+    assert (env.pool_bytes, env.load_redistribute, env.read_threads, env.check_replicas) == (64 << 20, True, 7, "off")
+    assert Env.read({}) == Env()
+    with pytest.raises(ValueError, match="UNICKPT_READ_THREADS='many' is not a valid int"):
+        Env.read({"UNICKPT_READ_THREADS": "many"})
+    opts = unickpt.LoadOptions(read_threads=2).validated()
+    assert opts.read_threads == 2 and opts.read_buffer_bytes == 512 << 20 and opts.verify is True
+
+
+def test_options_per_save_and_per_load(tmp_path):
+    w = torch.arange(1 << 21, dtype=torch.float32)  # 8 MiB through a 4 MiB ring
+    h = unickpt.save(tmp_path / "c", {"w": w},
+                     options=unickpt.SaveOptions(pool_bytes=4 << 20, piece_bytes=1 << 20, segment_bytes=100_000))
+    assert h.stats.pool_capacity == 4 << 20 and h.stats.streamed
+    assert sorted(os.listdir(tmp_path / "c" / "data")) == ["0_0.bin"]  # one chunk: a file of its own
+    assert ext.engine().options.pool_bytes != 4 << 20  # the engine's defaults are untouched
+    out = {"w": torch.zeros(1 << 21)}
+    stats = unickpt.load(tmp_path / "c", out, options=unickpt.LoadOptions(verify=False))
+    assert torch.equal(out["w"], w) and stats.blocks_verified == 0 and stats.bytes_read == 8 << 20
+    stats = unickpt.load(tmp_path / "c", out, options=unickpt.LoadOptions(redistribute=False))
+    assert stats.blocks_verified == 8 and not stats.redistributed  # the default verifies: 8 blocks of 1 MiB
+
+
+# -- fault injection -----------------------------------------------------------------------------------
+def test_faults_fail_the_nth_matching_operation_only(tmp_path):
+    with inject(Fault("write", match="*.bin", nth=2, errno=errno.ENOSPC)) as (fault,):
+        unickpt.save(tmp_path / "a", {"w": torch.ones(4)})  # the first data file: fine
+        with pytest.raises(unickpt.SaveFailedError, match=r"(?s)No space left on device \(injected: write of .*b/data/0_0.bin\)"):
+            unickpt.save(tmp_path / "b", {"w": torch.ones(4)})
+        unickpt.save(tmp_path / "c", {"w": torch.ones(4)})  # the third: fine again
+    assert (fault.seen, fault.fired) == (3, 1)
+    assert not (tmp_path / "b" / "metadata.json").exists() and (tmp_path / "c" / "metadata.json").exists()
+
+
+def test_a_lying_disk_is_caught_at_load(tmp_path):
+    w = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB: one chunk, one checksum
+    with inject(Fault("write", match="*.bin", action="truncate", keep=0.5)):
+        unickpt.save(tmp_path / "c", {"w": w})  # "succeeds": half the bytes are on disk
+    assert os.path.getsize(tmp_path / "c" / "data" / "0_0.bin") == (1 << 20) // 2
+    with pytest.raises(unickpt.IntegrityError, match="truncated checkpoint file"):
+        unickpt.load(tmp_path / "c", {"w": torch.zeros(1 << 18)})
+
+
+def test_fsync_and_commit_faults(tmp_path):
+    with inject(Fault("fsync", match="*.bin")):
+        with pytest.raises(unickpt.SaveFailedError, match=r"(?s)write stage: .*injected: fsync of"):
+            unickpt.save(tmp_path / "a", {"w": torch.ones(4)})
+    assert (tmp_path / "a" / "data" / "0_0.bin").exists() and not (tmp_path / "a" / "metadata.json").exists()
+    with inject(Fault("rename", match="*metadata.json")):
+        with pytest.raises(unickpt.SaveFailedError, match=r"(?s)commit stage: .*injected: rename of .*b/metadata.json"):
+            unickpt.save(tmp_path / "b", {"w": torch.ones(4)})
+    unickpt.save(tmp_path / "b", {"w": torch.ones(4)})  # the leftover is replaced by the next save
+
+
+def test_faulty_storage_delegates_everything_else(tmp_path):
+    from unickpt.storage import open_storage
+
+    inner = open_storage(str(tmp_path))
+    st = FaultyStorage(inner, [Fault("read", match="*x.bin", action="slow", delay_s=0.0, nth=None)])
+    assert st.is_local and st.join("a", "b") == os.path.join("a", "b")
+    st.write_file(str(tmp_path / "x.bin"), [b"hello"])
+    buf = bytearray(3)
+    st.read_into(str(tmp_path / "x.bin"), [(1, 3)], memoryview(buf), base=1)
+    assert bytes(buf) == b"ell" and st.bytes_read == 3 and st.faults[0].seen == 1
+    with pytest.raises(ValueError, match="op must be one of"):
+        Fault("unlink")
+
+
+# -- deprecated module paths -------------------------------------------------------------------------------
+def test_old_module_paths_still_work_and_warn():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from unickpt.metadata import METADATA_FILE, CheckpointMetadata, writer_alive  # noqa: F401
+        from unickpt.storage import Storage
+        from unickpt.pipeline import SaveOptions
+    assert METADATA_FILE == "metadata.json" and SaveOptions is unickpt.SaveOptions
+    assert Storage is ext.open_storage and CheckpointMetadata is unickpt.CheckpointMetadata
+    texts = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert any("unickpt.metadata is deprecated" in t for t in texts)
+    assert any("unickpt.storage.Storage is deprecated" in t for t in texts)
