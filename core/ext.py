@@ -9,7 +9,8 @@ A plugin imports :mod:`unickpt` (the public names) and this module, nothing else
   :func:`load_solo` loads in this process alone without any engine.
 - **checkpoint directories**: :class:`CheckpointRoot` (``step_<N>``, ``latest``, retention), and the
   rules of one directory: :func:`is_committed`, :func:`is_incomplete_checkpoint`,
-  :func:`writer_alive`, :func:`writer_elsewhere_on_host`, :func:`remove_checkpoint_dir` (uncommit first), :data:`METADATA_FILE`,
+  :func:`writer_alive`, :func:`writer_elsewhere_on_host`, :func:`pid_alive`, :func:`remove_checkpoint_dir`
+  (uncommit first), :data:`METADATA_FILE`,
   :data:`WRITER_FILE`; :func:`read_metadata`.
 - **storage**: :func:`open_storage` and :class:`StorageBackend`.
 - **state**: :func:`flatten`, :func:`saved_leaves`, :func:`optimizers_untouched`,
@@ -30,7 +31,7 @@ from ._lazy import lazy_getattr
 
 __all__ = ["engine", "default_engine", "new_engine", "load_solo", "EngineHandle", "THIS_PROCESS", "CheckpointRoot", "LATEST_FILE",
            "step_name", "is_committed", "is_incomplete_checkpoint", "writer_alive", "writer_elsewhere_on_host",
-           "remove_checkpoint_dir",
+           "remove_checkpoint_dir", "pid_alive",
            "METADATA_FILE", "WRITER_FILE", "read_metadata", "CheckpointMetadata", "open_storage", "StorageBackend",
            "flatten", "saved_leaves", "optimizers_untouched", "sharded_tensor_shard", "encode", "decode",
            "dtype_to_str", "str_to_dtype", "Box", "FlatRange", "chunk_pieces", "is_dcp_checkpoint",
@@ -45,6 +46,7 @@ _EXPORTS = {
     "is_incomplete_checkpoint": "unickpt.lifecycle.directory",
     "writer_alive": "unickpt.lifecycle.directory",
     "writer_elsewhere_on_host": "unickpt.lifecycle.directory",
+    "pid_alive": "unickpt.lifecycle.directory",
     "METADATA_FILE": "unickpt.format.layout",
     "WRITER_FILE": "unickpt.format.layout",
     "CheckpointMetadata": "unickpt.format.metadata",
@@ -205,7 +207,8 @@ if TYPE_CHECKING:
     from .format.layout import METADATA_FILE, WRITER_FILE
     from .format.metadata import CheckpointMetadata
     from .geometry import Box, FlatRange, chunk_pieces
-    from .lifecycle.directory import is_committed, is_incomplete_checkpoint, writer_alive, writer_elsewhere_on_host
+    from .lifecycle.directory import (is_committed, is_incomplete_checkpoint, pid_alive, writer_alive,
+                                      writer_elsewhere_on_host)
     from .lifecycle.root import LATEST_FILE, CheckpointRoot, step_name
     from .loading.dcp import is_dcp_checkpoint, restore_empty_optim_state
     from .state.codec import decode, encode

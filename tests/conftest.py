@@ -1,6 +1,6 @@
 """Shared fixtures: long-lived gloo process pools (one per world size), reused by every test.
 
-Tests are laid out by layer: ``unit/`` (no process group), ``dist/`` (real gloo process groups),
+Tests are laid out by layer: ``unit/`` (no process group), ``distributed/`` (real gloo process groups),
 ``faults/`` (killed and failing saves), ``plugins/<framework>/``, ``e2e/`` (the demo, the GPU check's dry
 run). Their worker modules are imported by name, here and in the pool's processes (which inherit
 ``sys.path``), so every test directory is put on ``sys.path``.

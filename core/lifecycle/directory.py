@@ -18,11 +18,9 @@ Who calls what: group rank 0's save thread calls :func:`prepare_target` before p
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import shutil
 import socket
 import time
 from typing import Any, Callable
@@ -31,7 +29,7 @@ from ..errors import CheckpointExistsError, UnickptError
 from ..format.layout import METADATA_FILE, SUBDIRS, WRITER_FILE, is_own_entry, is_own_file, is_partial_entry
 
 __all__ = ["WRITER_STALE_S", "is_committed", "is_incomplete_checkpoint", "writer_record", "writer_is_this_process",
-           "writer_alive", "writer_elsewhere_on_host", "foreign_entry", "check_removable", "remove_dir", "prepare_target"]
+           "writer_alive", "writer_elsewhere_on_host", "pid_alive", "foreign_entry", "check_removable", "remove_dir", "prepare_target"]
 
 log = logging.getLogger("unickpt")
 
@@ -79,6 +77,17 @@ def writer_is_this_process(storage: Any, path: str) -> bool:
     return rec is not None and rec.get("host") == socket.gethostname() and rec.get("pid") == os.getpid()
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (a process of another user counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def writer_alive(storage: Any, path: str) -> bool:
     """Whether the process that started the save into ``path`` may still be running: its pid is
     alive (same host), or it is on another host and started less than ``WRITER_STALE_S`` ago.
@@ -92,12 +101,10 @@ def writer_alive(storage: Any, path: str) -> bool:
         except (TypeError, ValueError):
             return True
     try:
-        os.kill(int(rec["pid"]), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, KeyError, ValueError, TypeError):
+        pid = int(rec["pid"])
+    except (KeyError, ValueError, TypeError):
         return True
-    return True
+    return pid_alive(pid)
 
 
 def writer_elsewhere_on_host(storage: Any, path: str) -> bool:
@@ -110,15 +117,7 @@ def writer_elsewhere_on_host(storage: Any, path: str) -> bool:
         pid = int(rec["pid"])
     except (KeyError, TypeError, ValueError):
         return False
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+    return pid != os.getpid() and pid_alive(pid)
 
 
 def foreign_entry(storage: Any, path: str) -> str | None:
@@ -157,18 +156,8 @@ def check_removable(storage: Any, path: str) -> bool:
 def remove_dir(storage: Any, path: str) -> None:
     """Uncommit ``path`` (remove ``metadata.json``), then remove its tree. Entries that vanish
     meanwhile (another removal, or a retention, removing it too) are fine."""
-    if not storage.is_local:
-        storage.rm(storage.join(path, METADATA_FILE))  # uncommit first
-        storage.rm(path)
-        return
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(storage.strip(storage.join(path, METADATA_FILE)))  # uncommit first
-
-    def gone_is_fine(func, name, exc_info):
-        if not issubclass(exc_info[0], FileNotFoundError):
-            raise exc_info[1]
-
-    shutil.rmtree(storage.strip(path), onerror=gone_is_fine)
+    storage.rm(storage.join(path, METADATA_FILE))  # uncommit first
+    storage.rm(path)
 
 
 def prepare_target(storage: Any, path: str, *, in_flight: Callable[[str], bool],

@@ -41,7 +41,8 @@ from ..geometry import Box
 from ..options import SaveOptions
 from ..plan.save_plan import RecvFill, SavePlan, SendOp
 from ..plan.stream import stream_layout
-from .drain import JobSpec, ProcessDrain, ThreadDrain
+from .drain import JobSpec, ThreadDrain
+from .writer_process import ProcessDrain
 from .request import SaveProgress, SaveRequest, SaveStats
 from .staging import CudaStager, PoolAborted, StagingPool, byte_view, copy_bytes, ring_capacity
 from .upload import Uploader

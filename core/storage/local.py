@@ -113,11 +113,21 @@ class LocalStorage(StorageBackend):
             os.close(dfd)
 
     def rm(self, path: str) -> None:
+        """Remove a file or a directory tree (a symbolic link itself, never its target). Entries that
+        vanish meanwhile (another process removing the same tree) are fine; other errors raise."""
         p = self.strip(path)
+
+        def gone_is_fine(func, name, exc_info):
+            if not issubclass(exc_info[0], FileNotFoundError):
+                raise exc_info[1]
+
         if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p)
-        elif os.path.lexists(p):
-            os.remove(p)
+            shutil.rmtree(p, onerror=gone_is_fine)
+        else:
+            try:
+                os.remove(p)
+            except FileNotFoundError:
+                pass
 
     # -- reads ------------------------------------------------------------------------------------
     def read_bytes(self, path: str) -> bytes:

@@ -311,7 +311,7 @@ class StorageWriter(_DCPWriter, AsyncStager):
 
             target = self._target or self.path
             storage = ext.open_storage(target, self.storage_options)
-            if storage.exists(storage.join(target, ext.METADATA_FILE)):
+            if ext.is_committed(storage, target):
                 raise CheckpointExistsError(f"{target!r} already holds a committed checkpoint and the writer has "
                                             "overwrite=False")
         return plan

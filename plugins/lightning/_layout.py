@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import posixpath
-import re
 from dataclasses import dataclass
 from unickpt import ext
 
@@ -35,7 +34,6 @@ __all__ = ["Pointer", "pointer_from_doc", "data_root", "version_dir", "relative"
 POINTER_FORMAT = "unickpt-lightning"
 POINTER_VERSION = 1
 DATA_SUFFIX = ".unickpt"
-_VERSION_DIR = re.compile(r"^step_(0|[1-9][0-9]*)$")  # as written: no leading zeros
 _MAX_POINTER_BYTES = 1 << 16
 
 
@@ -68,8 +66,8 @@ def data_root(path: str) -> str:
 
 
 def version_dir(path: str, version: int) -> str:
-    """``P.unickpt/step_<version>``."""
-    return f"{data_root(path)}/step_{int(version)}"
+    """``P.unickpt/step_<version>``: ``P.unickpt`` is a checkpoint root (:class:`unickpt.ext.CheckpointRoot`)."""
+    return f"{data_root(path)}/{ext.step_name(version)}"
 
 
 def relative(path: str, target: str) -> str:
@@ -174,12 +172,7 @@ def write_pointer(storage: ext.StorageBackend, path: str, pointer: Pointer) -> N
 
 def versions(storage: ext.StorageBackend, path: str) -> list[int]:
     """Version numbers ``v`` of every ``P.unickpt/step_<v>`` directory, committed or not, sorted."""
-    out = []
-    for name in storage.listdir(data_root(path)):
-        m = _VERSION_DIR.match(name)
-        if m:
-            out.append(int(m.group(1)))
-    return sorted(out)
+    return [v for v, _ in ext.CheckpointRoot(data_root(path), storage=storage).list()]
 
 
 def siblings_linking_to(storage: ext.StorageBackend, path: str) -> list[str]:

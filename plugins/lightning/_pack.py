@@ -36,6 +36,8 @@ from typing import Any, Iterator
 import fsspec
 from fsspec import AbstractFileSystem
 
+from unickpt import ext
+
 __all__ = ["MAGIC", "PENDING_FORMAT", "PROTOCOL", "kind", "write_pack", "open_pack", "staging_dir",
            "write_placeholder", "read_placeholder", "placeholder_alive", "wait_placeholder", "temp_name",
            "remove_path", "PackFileSystem"]
@@ -262,15 +264,7 @@ def placeholder_alive(doc: dict) -> bool:
     if doc.get("host") != socket.gethostname():
         return True
     pid = doc.get("pid")
-    if not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return isinstance(pid, int) and ext.pid_alive(pid)
 
 
 def remove_path(path: str, options: dict | None) -> None:

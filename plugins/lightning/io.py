@@ -258,7 +258,7 @@ class UnickptCheckpointIO(CheckpointIO):
         storage = ext.open_storage(path, options)
         if pointer.tensors_from is not None:
             source = _layout.resolve(path, pointer.tensors_from)
-            if not storage.exists(f"{source}/{ext.METADATA_FILE}"):
+            if not ext.is_committed(storage, source):
                 raise RuntimeError(f"{path!r}: the checkpoint it links to, {source!r}, did not commit; "
                                    f"{path!r} was not updated")
         old = _read_pointer_or_none(storage, path)
@@ -667,9 +667,7 @@ def _read_pointer_or_none(storage: ext.StorageBackend, path: str) -> Pointer | N
 
 
 def _rm_version(storage: ext.StorageBackend, vdir: str) -> None:
-    # uncommit first, so a half-deleted version is never loadable
-    storage.rm(f"{vdir}/{ext.METADATA_FILE}")
-    storage.rm(vdir)
+    ext.remove_checkpoint_dir(storage, vdir)  # uncommitted first: a half-deleted version is never loadable
 
 
 def _collect_link_target(storage: ext.StorageBackend, link_path: str, target_vdir: str) -> None:

@@ -82,12 +82,12 @@ def _clear_previous(engine: Any, checkpoint_dir: Any, path: str) -> list[str]:
         return [f"a save into {os.fspath(checkpoint_dir)!r} started by this process is still in flight (its "
                 "AsyncRequest is not finalized); finalize it before saving there again"]
     storage = ext.open_storage(path)
-    if not storage.exists(storage.join(path, ext.METADATA_FILE)):
+    if not ext.is_committed(storage, path):
         return []
     log.warning("unickpt.megatron: overwriting the checkpoint in %s (megatron's overwrite semantics)", checkpoint_dir)
     try:
-        storage.rm(storage.join(os.fspath(checkpoint_dir), ext.METADATA_FILE))
-        storage.rm(path)
+        storage.rm(storage.join(os.fspath(checkpoint_dir), "metadata.json"))  # megatron's own marker goes first
+        ext.remove_checkpoint_dir(storage, path)
     except OSError as e:
         return [f"cannot remove the previous checkpoint in {os.fspath(checkpoint_dir)!r}: {type(e).__name__}: {e}"]
     return []

@@ -2,7 +2,7 @@
 and an abrupt end of the process (``os._exit``: no atexit handlers, no thread joins). Ending the group
 must wait for the save in flight on it, so the checkpoint is committed.
 
-    torchrun --nproc_per_node=2 tests/dist/teardown_script.py PATH [group]
+    torchrun --nproc_per_node=2 tests/distributed/teardown_script.py PATH [group]
 
 ``group``: the save runs on a subgroup of all ranks, and that subgroup is destroyed first (then the world).
 """
