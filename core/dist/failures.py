@@ -18,7 +18,8 @@ from ..errors import (CheckpointNotFoundError, FormatVersionError, IntegrityErro
 __all__ = ["describe", "raise_failures", "agree"]
 
 _SAME_TYPE_ERRORS = {cls.__name__: cls for cls in (StateMismatchError, IntegrityError, CheckpointNotFoundError,
-                                                     FormatVersionError, PerRankReshardError, UnsafeObjectError)}
+                                                     FormatVersionError, PerRankReshardError, UnsafeObjectError,
+                                                     ValueError, TypeError)}
 
 
 def describe(e: BaseException | None) -> tuple[str, str, str] | None:
