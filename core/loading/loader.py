@@ -75,6 +75,13 @@ class Loader:
         signature = None
         try:
             opts = check_options(options if options is not None else LoadOptions(), LoadOptions, "load").validated()
+        except (TypeError, ValueError) as e:  # a bad argument of the call: raised with its own type on every rank
+            local_error, tag = e, "options"
+        else:
+            tag = None
+        try:
+            if local_error is not None:
+                raise local_error
             meta = read_metadata(storage, path)
             flat = flatten(state, for_load=True)
             # tensors and per-rank entries from every rank's plan; plain objects are group rank 0's
@@ -107,7 +114,7 @@ class Loader:
             signature = _needs_signature(need, table)
         except Exception as e:  # every rank must still join the gather, or the others hang
             local_error = e
-        gathered = failures.agree(comm, path, local_error, (signature, socket.gethostname(), opts.redistribute))
+        gathered = failures.agree(comm, path, local_error, (signature, socket.gethostname(), opts.redistribute), tag)
         asked = {g[2] for g in gathered}
         if len(asked) > 1:  # the read plan is collective: every rank must take part in it, or none
             raise ValueError(f"{path!r}: ranks asked for different redistribute settings "

@@ -7,7 +7,7 @@ Runs on the save thread, on the private *plan* gloo group (:mod:`unickpt.dist.co
    plan-shaping options, of its tensor table and of the save's target (path and step). A failed rank
    sets the flag; then the failures are gathered (2 more) and raised on every rank with one type
    (:class:`~unickpt.errors.SaveFailedError`, or the failure's own type when every failing rank agrees
-   on CheckpointExistsError, UnsafeObjectError, ValueError or TypeError). Ranks that name different
+   on CheckpointExistsError, UnsafeObjectError, or a ValueError / TypeError of the call's options). Ranks that name different
    targets (paths or steps) are told so on every rank (2 more, to name them) before anything is
    written: saving under rank 0's name would commit a checkpoint missing the other ranks' files.
 2. on a plan-cache miss only: the local plans are gathered as compact JSON (2 collectives, no pickle;
@@ -139,9 +139,9 @@ class PlanAgreement:
             raise UnsafeObjectError(next(e[2] for e in errors if e[0])) from local_error
         if kinds == {"CheckpointExistsError"}:  # the target is taken: say so with its own type
             raise CheckpointExistsError(next(e[2] for e in errors if e[0])) from local_error
-        if kinds in ({"ValueError"}, {"TypeError"}):  # bad arguments (options) on some ranks
+        if kinds in ({"options:ValueError"}, {"options:TypeError"}):  # bad options on some ranks
             if local_error is not None:
                 raise local_error
             first = min(failures)
-            raise (ValueError if kinds == {"ValueError"} else TypeError)(f"rank {first}: {errors[first][2]}")
+            raise (ValueError if kinds == {"options:ValueError"} else TypeError)(f"rank {first}: {errors[first][2]}")
         raise SaveFailedError(path, failures) from local_error

@@ -124,7 +124,7 @@ class Saver:
         snap = take_snapshot(state, rank=self.rank, world_size=self.world_size, snapshot_mode=opts.snapshot,
                              allow_pickle=allow_pickle, clone_limit=clone_limit)
         if opts_error is not None:
-            snap.failed(opts_error, self.rank)
+            snap.failed(opts_error, self.rank, tag="options")
         with self._lock:
             self._in_flight[path] = self._in_flight.get(path, 0) + 1
         if snap.optimizers:

@@ -83,11 +83,13 @@ class Snapshot:
         assert self.flat is not None
         return self.clones.get(fqn, self.flat.tensors[fqn].local)
 
-    def failed(self, e: BaseException, rank: int) -> None:
-        """Record the caller's part's failure in the local plan (it reaches every rank at the agreement)."""
+    def failed(self, e: BaseException, rank: int, tag: str | None = None) -> None:
+        """Record the caller's part's failure in the local plan (it reaches every rank at the agreement;
+        ``tag="options"``: a bad argument of the call, raised with its own type everywhere)."""
         self.error = e
         self.local = LocalPlan(rank=rank, error=format_exc(e))
-        self.local.error_type, self.local.error_message = type(e).__name__, str(e)
+        kind = type(e).__name__ if tag is None else f"{tag}:{type(e).__name__}"
+        self.local.error_type, self.local.error_message = kind, str(e)
         self.signature = None
         self.must_wait = True
 
