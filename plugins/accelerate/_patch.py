@@ -36,6 +36,7 @@ from ._state import build_state, process0_buffers
 __all__ = ["enable", "disable", "is_enabled", "options_for", "wait", "patch_accelerate"]
 
 log = logging.getLogger("unickpt.accelerate")
+FRAMEWORK = "accelerate"  # recorded in metadata.json: unickpt.accelerate.layout reads these checkpoints elsewhere
 
 _lock = threading.Lock()
 _global: Options | None = None  # enable() without an accelerator
@@ -245,7 +246,7 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
     # the unickpt root inside this Accelerate folder keeps its newest committed save only, then runs the
     # total_limit rotation on group rank 0
     ckpt = Checkpointer(_layout.store_root(output_dir), keep_last=1, on_commit=None if after is None else lambda _: after(),
-                        allow_pickle=opts.allow_pickle or not safe_serialization)
+                        allow_pickle=opts.allow_pickle or not safe_serialization, framework=FRAMEWORK)
     step: int | None = None
     try:
         state = build_state(acc, indices, opts, saving=True)  # collective on several processes
