@@ -160,7 +160,7 @@ def export_hf_llama(reader: Any, model_config: dict) -> Any:
         "max_position_embeddings": int(model_config.get("max_position_embeddings", 4096)),
         "rms_norm_eps": float(model_config.get("layernorm_epsilon", 1e-5)),
         "rope_theta": float(model_config.get("rotary_base", 10000.0)), "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": tied, "torch_dtype": str(dtype)}
+        "tie_word_embeddings": tied, "dtype": str(dtype), "torch_dtype": str(dtype)}
     return ext.ExportPlan(tensors=tensors, files={"config.json": (json.dumps(config, indent=2) + "\n").encode()})
 
 
