@@ -203,18 +203,15 @@ class Layout:
 
     The path components frameworks insert into parameter names (``module.`` of DDP, ``_orig_mod.``
     of ``torch.compile``, ...) are declared separately, under the entry-point group ``unickpt.wrappers``,
-    and dropped from every name on both sides.
+    and dropped from every name on both sides; so are the framework-specific handles of a checkpoint
+    (``unickpt.locators``, see :func:`locate_checkpoint`). Both groups are read without importing any
+    layout module (Megatron's package imports megatron-core).
 
     Attributes:
         framework: the ``metadata.json`` ``framework`` this layout reads (None: the generic layout).
     """
 
     framework: str | None = None
-
-    def locate(self, path: str, storage: Any) -> str | None:
-        """The unickpt checkpoint directory behind a framework-specific ``path`` (a DeepSpeed
-        ``save_dir``, a Lightning pointer file, ...), or None when ``path`` is not such a thing."""
-        return None
 
     def source(self, meta: CheckpointMetadata) -> SourceNames:
         """The stored checkpoint's entries by role. Raises StateMismatchError for an ambiguous state
@@ -355,14 +352,21 @@ def normalize(name: str, wrappers: tuple[frozenset, frozenset]) -> str:
     return ".".join(kept) if kept else name
 
 
+SUBDIR = "unickpt"
+"""Plugins that keep unickpt's data beside a framework's own files put it in a subdirectory of this name
+(Accelerate's ``checkpoint_<N>/unickpt/``: a root; Megatron's ``<iter dir>/unickpt``: a checkpoint)."""
+
+
 def locate_checkpoint(path: str, storage: Any) -> str:
     """The unickpt checkpoint directory ``path`` names: ``path`` itself when it holds unickpt's
-    ``metadata.json``, else what a registered layout finds behind it (a DeepSpeed ``save_dir``, an
-    Accelerate ``checkpoint_<N>`` folder, a Lightning pointer file, a Megatron checkpoint directory),
-    else the step ``latest`` names in a checkpoint root, else ``path`` (the read then reports it)."""
-    from ..format.metadata import FORMAT_NAME
-
+    ``metadata.json``; else ``path/unickpt``; else the checkpoint ``latest`` names in ``path`` or
+    ``path/unickpt`` (a DeepSpeed ``save_dir``, an Accelerate folder, a checkpoint root); else what an
+    installed locator finds (entry-point group ``unickpt.locators``: ``locate(path, storage) -> str |
+    None``, e.g. Lightning's pointer files); else ``path`` (the read then reports it)."""
     import json
+
+    from ..format.metadata import FORMAT_NAME
+    from ..lifecycle.root import CheckpointRoot
 
     def is_ours(p: str) -> bool:
         try:
@@ -371,26 +375,25 @@ def locate_checkpoint(path: str, storage: Any) -> str:
             return False
         return isinstance(doc, dict) and doc.get("format") == FORMAT_NAME
 
-    if is_ours(path):
-        return path
-    for name in registered_layouts():
-        layout = _load("unickpt.layouts", name)
-        if layout is None:
-            continue
+    def latest(root: str) -> str | None:
         try:
-            found = layout.locate(path, storage)
+            name = CheckpointRoot(root, storage=storage).read_latest()
+        except (OSError, ValueError):
+            return None
+        return storage.join(root, name) if name else None
+
+    inner = storage.join(path, SUBDIR)
+    for candidate in (path, inner, latest(path), latest(inner)):
+        if candidate is not None and is_ours(candidate):
+            return candidate
+    for name in _entry_points("unickpt.locators"):
+        locate = _load("unickpt.locators", name)
+        try:
+            found = locate(path, storage) if locate is not None else None
         except (OSError, ValueError):
             found = None
         if found is not None and is_ours(found):
             return found
-    from ..lifecycle.root import CheckpointRoot
-
-    try:
-        latest = CheckpointRoot(path, storage=storage).read_latest()
-    except (OSError, ValueError):
-        latest = None
-    if latest is not None and is_ours(storage.join(path, latest)):
-        return storage.join(path, latest)
     return path
 
 
@@ -483,6 +486,8 @@ def build_view(meta: CheckpointMetadata, flat: Any, mapping: Mapping, *, strict:
     view = View()
     consumed: set[str] = set()
     errors: list[str] = []
+    unserved: list[str] = []  # targets no stored tensor serves
+    differ: list[tuple] = []  # (target fqn, stored names, stored dtype, stored shape, target dtype, target shape)
     has_optimizer = bool(tgt.optimizers)
     target_keys = sorted({role[6:] for role, _ in tgt.tensors.values() if role.startswith("state.") and role != "state.step"})
     source_keys = sorted({role[6:] for role, _ in index if role.startswith("state.") and role != "state.step"})
@@ -501,8 +506,7 @@ def build_view(meta: CheckpointMetadata, flat: Any, mapping: Mapping, *, strict:
             elif isinstance(got, str):
                 t = stored(got)
                 if (t.dtype, tuple(t.shape)) != (want_dtype, want_shape):
-                    errors.append(f"{fqn!r}: stored {got!r} has dtype {t.dtype} shape {list(t.shape)}, the state to "
-                                  f"load into has dtype {want_dtype} shape {list(want_shape)} (no implicit cast)")
+                    differ.append((fqn, [got], t.dtype, tuple(t.shape), want_dtype, want_shape))
                 view.tensors[fqn] = [Piece(Box((0,) * len(want_shape), want_shape), got, (0,) * len(want_shape))]
                 consumed.add(got)
             else:
@@ -516,19 +520,27 @@ def build_view(meta: CheckpointMetadata, flat: Any, mapping: Mapping, *, strict:
             if master is not None and master.dtype == want_dtype:
                 used_role, res = MASTER, master
         if res is None:
-            errors.append(f"{fqn!r} ({role} of {name!r}): no stored tensor serves it (looked for "
-                          f"{_show([index.get((role, n), n) for n in missing(role, name)], 4)})")
+            unserved.append(f"{fqn!r} ({role} of {name!r}; looked for "
+                            f"{_show([index.get((role, n), n) for n in missing(role, name)], 4)})")
             continue
         names = [index[(used_role, s)] for s in res.sources]
         if res.dtype != want_dtype or res.shape != want_shape:
-            errors.append(f"{fqn!r}: stored {_show(names, 3)} give dtype {res.dtype} shape {list(res.shape)}, the state "
-                          f"to load into has dtype {want_dtype} shape {list(want_shape)} (no implicit cast or reshape)")
+            differ.append((fqn, names, res.dtype, res.shape, want_dtype, want_shape))
             continue
         view.tensors[fqn] = [Piece(p.region, meta.aliases.get(index[(used_role, p.source)], index[(used_role, p.source)]),
                                    p.offsets) for p in res.pieces]
         consumed.update(names)
+    if unserved:
+        errors.append(f"{len(unserved)} tensor(s) of the state no stored tensor serves: " + ", ".join(unserved[:6])
+                      + (" ..." if len(unserved) > 6 else ""))
+    if differ:
+        kinds = sorted({(d[2], d[4]) for d in differ})
+        errors.append(f"{len(differ)} tensor(s) differ in dtype or shape (never cast or reshaped; stored -> state: "
+                      + ", ".join(f"{a} -> {b}" for a, b in kinds) + "): "
+                      + ", ".join(f"{t!r} <- {_show(n, 2)} ({sd} {list(ss)} -> {td} {list(ts)})"
+                                  for t, n, sd, ss, td, ts in differ[:4]) + (" ..." if len(differ) > 4 else ""))
     _plain(view, tgt, src, flat, who, errors)
-    if strict:
+    if strict and not (unserved or differ):  # otherwise the stored tensors left over are a consequence
         _leftovers(index, consumed, src, tgt, has_optimizer, who, errors)
     if errors:
         raise StateMismatchError(f"{who} does not load into this state: " + "; ".join(errors[:12])
@@ -609,12 +621,15 @@ def _groups(fqn: str, saved: Any, current: Any, errors: list[str]) -> Any:
         return None
     out = []
     for i, (s, c) in enumerate(zip(saved, current)):
-        sk, ck = set(s) - {"params"}, set(c) - {"params"}
+        # ``initial_lr`` is an LR scheduler's bookkeeping: a scheduler that cannot move is reported by itself
+        sk, ck = set(s) - {"params", "initial_lr"}, set(c) - {"params", "initial_lr"}
         if sk != ck:
             errors.append(f"{fqn!r} group {i}: hyper-parameters differ: only in the checkpoint {sorted(sk - ck)}, only "
                           f"in the optimizer to load into {sorted(ck - sk)}")
             return None
-        out.append({**{k: v for k, v in s.items() if k != "params"}, "params": c.get("params")})
+        group = {k: v for k, v in s.items() if k != "params" and (k != "initial_lr" or k in c)}
+        out.append({**group, **({"initial_lr": c["initial_lr"]} if "initial_lr" in c and "initial_lr" not in s else {}),
+                    "params": c.get("params")})
     return out
 
 

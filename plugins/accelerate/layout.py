@@ -22,12 +22,6 @@ class AccelerateLayout(ext.Layout):
 
     framework = "accelerate"
 
-    def locate(self, path: str, storage: Any) -> str | None:
-        """``<folder>/unickpt/<latest>`` for an Accelerate ``checkpoint_<N>`` (or ``output_dir``) folder."""
-        root = storage.join(path, "unickpt")
-        latest = ext.CheckpointRoot(root, storage=storage).read_latest()
-        return None if latest is None else storage.join(root, latest)
-
     def source(self, meta: Any) -> ext.SourceNames:
         out = super().source(meta)
         _, _, objects = ext.saved_leaves(meta.state_tree)

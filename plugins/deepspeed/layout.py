@@ -26,11 +26,6 @@ class DeepSpeedLayout(ext.Layout):
 
     framework = "deepspeed"
 
-    def locate(self, path: str, storage: Any) -> str | None:
-        """``save_dir/<tag>`` for a DeepSpeed ``save_dir`` (the tag its ``latest`` file names)."""
-        tag = ext.CheckpointRoot(path, storage=storage).read_latest()
-        return None if tag is None else storage.join(path, tag)
-
     def source(self, meta: Any) -> ext.SourceNames:
         _, _, objects = ext.saved_leaves(meta.state_tree)
         out = ext.SourceNames()

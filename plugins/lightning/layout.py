@@ -18,7 +18,7 @@ from typing import Any
 
 from unickpt import StateMismatchError, ext
 
-__all__ = ["LightningLayout", "LAYOUT", "WRAPPERS"]
+__all__ = ["LightningLayout", "LAYOUT", "WRAPPERS", "locate"]
 
 WRAPPERS = ("_forward_module",)
 """Lightning Fabric's wrapper module (``_FabricModule._forward_module``), dropped from parameter names."""
@@ -28,26 +28,6 @@ class LightningLayout(ext.Layout):
     """The ``lightning`` layout (see the module docstring)."""
 
     framework = "lightning"
-
-    def locate(self, path: str, storage: Any) -> str | None:
-        """The checkpoint a pointer file ``path`` names (the one holding its tensors, for a link)."""
-        try:
-            if storage.isdir(path):
-                return None
-            raw = storage.read_bytes(path)
-        except (OSError, ValueError):
-            return None
-        if len(raw) > 1 << 16:
-            return None
-        try:
-            doc = json.loads(raw)
-        except ValueError:
-            return None
-        if not isinstance(doc, dict) or doc.get("format") != "unickpt-lightning":
-            return None
-        rel = doc.get("tensors_from") or doc.get("checkpoint")
-        parent = posixpath.dirname(path.rstrip("/"))
-        return rel if not parent or "://" in rel or rel.startswith("/") else f"{parent}/{rel}"
 
     def source(self, meta: Any) -> ext.SourceNames:
         route = (meta.extra or {}).get("lightning_route")
@@ -78,13 +58,33 @@ class LightningLayout(ext.Layout):
         return out
 
 
+def locate(path: str, storage: Any) -> str | None:
+    """The checkpoint a Lightning pointer file ``path`` names (the one holding its tensors, for a link), or None
+    (entry-point group ``unickpt.locators``)."""
+    try:
+        if not storage.exists(path) or storage.isdir(path) or storage.size(path) > 1 << 16:
+            return None  # a pack (a whole checkpoint in one file) or no file at all
+        raw = storage.read_bytes(path)
+    except (OSError, ValueError):
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != "unickpt-lightning":
+        return None
+    rel = doc.get("tensors_from") or doc.get("checkpoint")
+    parent = posixpath.dirname(path.rstrip("/"))
+    return rel if not parent or "://" in rel or rel.startswith("/") else f"{parent}/{rel}"
+
+
 def _epochs_done(tree: dict) -> int | None:
-    """Epochs completed at the save (an end-of-epoch save counts its epoch: ``is_last_batch``)."""
+    """Epochs completed at the save (a save after an epoch's last batch counts that epoch: ``is_last_batch``)."""
     try:
         fit = tree["loops"]["fit_loop"]
         total = fit["epoch_progress"]["total"]
         ended = bool(fit["epoch_loop.batch_progress"]["is_last_batch"])
-        return int(total["processed"] if ended else total["completed"])
+        return int(total["started"] if ended else total["completed"])
     except (KeyError, TypeError):
         return tree.get("epoch") if isinstance(tree.get("epoch"), int) else None
 

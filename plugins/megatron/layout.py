@@ -51,11 +51,6 @@ class MegatronLayout(ext.Layout):
 
     framework = "megatron"
 
-    def locate(self, path: str, storage: Any) -> str | None:
-        """``<checkpoint dir>/unickpt`` for a megatron checkpoint directory saved with the unickpt backend."""
-        inner = storage.join(path, SUBDIR)
-        return inner if storage.exists(storage.join(inner, ext.METADATA_FILE)) else None
-
     def source(self, meta: Any) -> ext.SourceNames:
         keys = (meta.extra.get("megatron") or {}).get("keys", {})
         out = ext.SourceNames()
