@@ -268,7 +268,6 @@ class Layout:
                                      "a cross-framework load needs the fqn-keyed state (get_optimizer_state_dict)")
         module = _one("model", list(st.modules), where)
         optim = _one("optimizer", list(st.optimizers), where)
-        used: set[str] = set()
         if module is not None:
             for name, fqn in st.modules[module].items():
                 out.tensors[fqn] = (PARAM, name)
