@@ -180,7 +180,7 @@ def import_megatron(state: dict, model_config: dict, src: str) -> Any:
         with open(cfg_path) as f:
             cfg = json.load(f)
     cfg.update(model_config)
-    if cfg.get("model_type", "llama") not in ("llama", "mistral", "qwen3"):
+    if cfg.get("model_type", "llama") not in ("llama", "mistral"):
         raise UnickptError(f"{src}: model_type {cfg.get('model_type')!r} is not a Llama-like model")
     heads = int(_require(cfg, "num_attention_heads", "config.json"))
     groups = int(cfg.get("num_key_value_heads") or heads)

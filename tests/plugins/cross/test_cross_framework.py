@@ -164,6 +164,11 @@ def _hf_logits(folder: str, tokens: torch.Tensor) -> torch.Tensor:
 def test_megatron_tp2_exports_to_a_transformers_llama_with_equal_logits(tmp_path):
     worker = os.path.join(HERE, "megatron_hf.py")
     torchrun(2, worker, "save", str(tmp_path / "mcore"), str(tmp_path / "mcore.pt"))
+    refused = subprocess.run([sys.executable, "-m", "unickpt", "export", str(tmp_path / "mcore"), str(tmp_path / "x"),
+                              "--to", "hf-llama"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert refused.returncode == 2 and refused.stderr.strip().endswith(
+        "unickpt export: --model-config needs 'num_attention_heads' (the stored shapes do not tell the head count)")
+    assert not os.path.exists(tmp_path / "x")
     cfg = json.dumps({"num_attention_heads": 4, "layernorm_epsilon": 1e-5, "rotary_base": 10000})
     run([sys.executable, "-m", "unickpt", "export", str(tmp_path / "mcore"), str(tmp_path / "hf"), "--to", "hf-llama",
          "--model-config", cfg])
