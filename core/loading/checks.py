@@ -19,7 +19,7 @@ __all__ = ["check_target", "check_memory", "take_saved_empty_optimizer_states", 
 
 def check_target(leaf: Any, tmeta: TensorMeta) -> None:
     """Raise StateMismatchError unless ``leaf`` can take the stored tensor as it is."""
-    fqn, t = leaf.fqn, leaf.local
+    fqn = leaf.fqn
     got_dtype, got_shape = dtype_to_str(leaf.dtype), tuple(leaf.global_shape)
     if (got_dtype, got_shape) != (tmeta.dtype, tmeta.shape):
         raise StateMismatchError(
@@ -30,7 +30,7 @@ def check_target(leaf: Any, tmeta: TensorMeta) -> None:
 
 
 def check_memory(leaf: Any) -> None:
-    """Raise StateMismatchError unless ``leaf``'s tensor is memory bytes can be loaded into."""
+    """Raise StateMismatchError unless ``leaf``'s tensor is dense strided memory that bytes can be loaded into."""
     fqn, t = leaf.fqn, leaf.local
     if t.device.type == "meta":
         raise StateMismatchError(f"{fqn!r}: the tensor to load into is on the meta device (no storage); "

@@ -32,7 +32,7 @@ from ..format.metadata import CheckpointMetadata
 from ..geometry import Box
 from ..plan.mapping import Mapping, Piece, Resolved, Rule, Unresolved
 from ..state import codec
-from ..state.flatten import saved_leaves
+from ..state.flat import saved_leaves
 
 __all__ = ["PARAM", "MASTER", "SourceNames", "TargetNames", "Layout", "View", "registered_layouts", "source_layout",
            "locate_checkpoint", "build_view", "as_mapping", "CANONICAL", "StoredParams"]
@@ -88,7 +88,7 @@ class TargetNames:
 # -- the generic layout: modules, optimizers, schedulers, scalers as unickpt's flatten stores them -----
 def _stateful_nodes(tree: Any) -> list[tuple[str, Any]]:
     """``(fqn, body)`` of every ``__unickpt_stateful__`` node of an encoded state tree (outermost only),
-    with fqns built as :func:`unickpt.state.flatten.saved_leaves` builds them."""
+    with fqns built as :func:`unickpt.state.flat.saved_leaves` builds them."""
     out: list[tuple[str, Any]] = []
 
     def walk(e: Any, path: tuple) -> None:
@@ -259,7 +259,7 @@ class Layout:
         return out
 
     def target(self, flat: Any) -> TargetNames:
-        """The target state's entries by role (``flat``: :class:`~unickpt.state.flatten.FlatState`)."""
+        """The target state's entries by role (``flat``: :class:`~unickpt.state.flat.FlatState`)."""
         st = _structure(flat.skeleton)
         out = TargetNames(modules=list(st.modules), optimizers=list(st.optimizers))
         where = "the state to load into"
