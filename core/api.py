@@ -92,6 +92,8 @@ def load(path: str | os.PathLike, state: dict, *, strict: bool = True, process_g
         IntegrityError: a checksum mismatch, a truncated or missing file, malformed metadata.
         LoadFailedError: ranks failed with different errors (each rank's traceback attached).
         UnsafeObjectError: a pickled object and ``allow_pickle=False``.
+        TypeError / ValueError: ``options`` or ``mapping`` of the wrong kind or with bad values on some
+            rank (raised on every rank, naming the rank), or ranks passing different ``redistribute``.
     """
     return get_engine(process_group).load(os.fspath(path), state, strict=strict, storage_options=storage_options,
                                           allow_pickle=allow_pickle, verify=verify, redistribute=redistribute,

@@ -12,7 +12,8 @@ with resharding, and Megatron-core <-> Hugging Face Llama, with the real framewo
   (``accelerator.load_state(<Lightning pointer file>)``), and Accelerate on 2 -> Lightning on 3
   (``trainer.fit(ckpt_path=<Accelerate folder>)``): the same checks, the loop resuming at step 20.
 - Megatron-core GPT (SwiGLU, grouped-query attention, RMSNorm, RoPE) at TP 2 -> ``unickpt export --to
-  hf-llama`` -> ``transformers`` ``from_pretrained``: logits equal within ``LOGIT_ATOL`` (fp32); a
+  hf-llama`` -> ``transformers`` ``from_pretrained``: logits equal within ``LOGIT_ATOL`` (fp32), and the same
+  checkpoint resharded to TP 1 x PP 2 exports bitwise the same tensors; a
   ``LlamaForCausalLM`` built from a config -> ``save_pretrained`` -> ``unickpt import --to megatron`` -> the
   megatron model at TP 2 (``dist_checkpointing.load``): logits equal within ``LOGIT_ATOL``.
 
@@ -190,6 +191,16 @@ def test_megatron_tp2_exports_to_a_transformers_llama_with_equal_logits(tmp_path
     with torch.no_grad():
         online = model(ref["tokens"]).logits
     assert (online - ref["logits"]).abs().max().item() <= LOGIT_ATOL
+    # pipeline-parallel shards: the checkpoint resharded to TP 1 x PP 2 (a layer per stage) exports the same bytes
+    torchrun(2, worker, "pp2", str(tmp_path / "mcore"), str(tmp_path / "mcore_pp2"))
+    run([sys.executable, "-m", "unickpt", "export", str(tmp_path / "mcore_pp2"), str(tmp_path / "hf_pp2"), "--to",
+         "hf-llama", "--model-config", cfg])
+    from safetensors.torch import load_file
+
+    tp2, pp2 = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "hf_pp2" / "model.safetensors")
+    assert sorted(pp2) == sorted(tp2) and len(tp2) == 21
+    assert all(torch.equal(pp2[k], tp2[k]) for k in tp2)
+    assert json.load(open(tmp_path / "hf_pp2" / "config.json")) == config
 
 
 def test_a_transformers_llama_imports_into_megatron_tp2_with_equal_logits(tmp_path):
