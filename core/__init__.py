@@ -7,6 +7,7 @@ Public surface::
     unickpt.Checkpointer(root, keep_last=None, async_save=True, ...)
     unickpt.Shard, unickpt.PerRank, unickpt.RNGState
     unickpt.SaveOptions, unickpt.LoadOptions
+    unickpt.Mapping, unickpt.Rename, unickpt.Split, unickpt.Fuse, unickpt.Permute   (cross-framework loads)
 
 Framework plugins use :mod:`unickpt.ext`. The package is laid out by layer (docs/design.md):
 ``state`` -> ``plan`` -> ``saving`` / ``loading`` -> ``format`` / ``storage`` / ``dist``, with
@@ -52,6 +53,11 @@ _EXPORTS = {
     "RankFailuresError": ".errors",
     "SaveFailedError": ".errors",
     "LoadFailedError": ".errors",
+    "Mapping": ".plan.mapping",
+    "Rename": ".plan.mapping",
+    "Split": ".plan.mapping",
+    "Fuse": ".plan.mapping",
+    "Permute": ".plan.mapping",
 }
 
 __all__ = list(_EXPORTS)
@@ -71,6 +77,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from .format.metadata import FORMAT_VERSION, CheckpointMetadata
     from .loading.stats import LoadStats
     from .options import LoadOptions, SaveOptions
+    from .plan.mapping import Fuse, Mapping, Permute, Rename, Split
     from .saving.request import SaveHandle, SaveStats
     from .state.leaves import PerRank, Shard
     from .state.rng import RNGState

@@ -49,7 +49,7 @@ def save(path: str | os.PathLike, state: dict, *, async_save: bool = False, proc
 
 def load(path: str | os.PathLike, state: dict, *, strict: bool = True, process_group: Any = None,
          storage_options: dict | None = None, allow_pickle: bool = False, verify: bool | None = None,
-         redistribute: bool | None = None, options: LoadOptions | None = None) -> LoadStats:
+         redistribute: bool | None = None, options: LoadOptions | None = None, mapping: Any = None) -> LoadStats:
     """Load the checkpoint at ``path`` into ``state`` in place, resharding to the current layout.
 
     Collective over ``process_group``. Tensors (and DTensor / Shard local shards) are filled in
@@ -70,6 +70,15 @@ def load(path: str | os.PathLike, state: dict, *, strict: bool = True, process_g
             reads each byte from the device once. ``UNICKPT_LOAD_REDISTRIBUTE=0/1`` overrides.
         options: how this load runs (:class:`~unickpt.LoadOptions`: ``verify``, ``redistribute``,
             read buffer and read threads); ``verify`` / ``redistribute`` given here override it.
+        mapping: load a checkpoint written under another framework (docs/cross-framework.md):
+            ``"auto"`` matches the stored roles (weights, fp32 master copies, optimizer moments and
+            steps, param groups, LR scheduler, step counter) with the state's, wrapper prefixes
+            (``module.``, ``_orig_mod.``, ...) dropped; a :class:`~unickpt.Mapping` adds declared rules
+            (:class:`~unickpt.Rename`, :class:`~unickpt.Split`, :class:`~unickpt.Fuse`,
+            :class:`~unickpt.Permute`). ``path`` may then also be a framework's own handle of a
+            checkpoint (a DeepSpeed ``save_dir``, an Accelerate ``checkpoint_<N>`` folder, a Lightning
+            pointer, a Megatron checkpoint directory). Every rank still reads only the stored byte
+            ranges its own shards need. ``stats.conversion`` reports what moved and what stayed.
 
     Returns:
         this rank's :class:`~unickpt.LoadStats` (bytes read from storage, bytes received and sent
@@ -83,7 +92,9 @@ def load(path: str | os.PathLike, state: dict, *, strict: bool = True, process_g
         IntegrityError: a checksum mismatch, a truncated or missing file, malformed metadata.
         LoadFailedError: ranks failed with different errors (each rank's traceback attached).
         UnsafeObjectError: a pickled object and ``allow_pickle=False``.
+        TypeError / ValueError: ``options`` or ``mapping`` of the wrong kind or with bad values on some
+            rank (raised on every rank, naming the rank), or ranks passing different ``redistribute``.
     """
     return get_engine(process_group).load(os.fspath(path), state, strict=strict, storage_options=storage_options,
                                           allow_pickle=allow_pickle, verify=verify, redistribute=redistribute,
-                                          options=options)
+                                          options=options, mapping=mapping)

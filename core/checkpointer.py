@@ -40,12 +40,15 @@ class Checkpointer:
             (:class:`~unickpt.SaveOptions`, :class:`~unickpt.LoadOptions`; default: the engine's).
         on_commit: ``on_commit(step)`` runs on group rank 0 after each commit, once ``latest`` and
             retention are done (for a framework's own rotation, say). Its errors are logged.
+        framework: recorded in each checkpoint's ``metadata.json`` (a plugin's name: which layout
+            reads it in a cross-framework load, docs/cross-framework.md).
     """
 
     def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None, async_save: bool = True,
                  process_group: Any = None, storage_options: dict | None = None, allow_pickle: bool = False,
                  local_root: str | os.PathLike | None = None, save_options: SaveOptions | None = None,
-                 load_options: LoadOptions | None = None, on_commit: Callable[[int], None] | None = None):
+                 load_options: LoadOptions | None = None, on_commit: Callable[[int], None] | None = None,
+                 framework: str | None = None):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         self.root = os.fspath(root)
@@ -55,6 +58,7 @@ class Checkpointer:
         self.allow_pickle = allow_pickle
         self.save_options, self.load_options = save_options, load_options
         self.on_commit = on_commit
+        self.framework = framework
         self._root = CheckpointRoot(self.root, storage_options)
         self.local_root = None if local_root is None else os.fspath(local_root)
         self._local = None if local_root is None else CheckpointRoot(self.local_root)
@@ -83,12 +87,13 @@ class Checkpointer:
         if self._local is None:
             return self._engine.save(self.path_for(step), state, async_save=mode, storage_options=self.storage_options,
                                      step=int(step), on_commit=on_commit, allow_pickle=self.allow_pickle,
-                                     options=self.save_options)
+                                     options=self.save_options, framework=self.framework)
         # the upload target is this save's option, not the engine's
         options = (self.save_options or self._engine.options).with_(upload_to=self.root,
                                                                     upload_options=self.storage_options)
         return self._engine.save(self._local.path(int(step)), state, async_save=mode, step=int(step),
-                                 on_commit=on_commit, allow_pickle=self.allow_pickle, options=options)
+                                 on_commit=on_commit, allow_pickle=self.allow_pickle, options=options,
+                                 framework=self.framework)
 
     def _after_commit(self, step: int) -> None:
         """Group rank 0, commit thread, after ``step`` committed: ``latest`` and retention in every tier

@@ -77,7 +77,7 @@ class Engine:
 
     def load(self, path: str, state: dict, *, strict: bool = True, storage_options: dict | None = None,
              allow_pickle: bool = False, verify: bool | None = None, redistribute: bool | None = None,
-             options: LoadOptions | None = None) -> LoadStats:
+             options: LoadOptions | None = None, mapping: Any = None) -> LoadStats:
         """Wait for this engine's pending saves, then load ``path`` into ``state`` (see :func:`unickpt.load`).
         ``verify`` / ``redistribute``, when given, override ``options``."""
         self.wait()
@@ -86,7 +86,7 @@ class Engine:
         if changes:
             opts = opts.with_(**changes)
         return self.loader.load(str(path), state, strict=strict, storage_options=storage_options,
-                                allow_pickle=allow_pickle, options=opts)
+                                allow_pickle=allow_pickle, options=opts, mapping=mapping)
 
     def broadcast(self, obj: Any) -> Any:
         """Group rank 0's ``obj`` on every rank (caller's thread; collective). Waits until this engine's

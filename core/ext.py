@@ -20,6 +20,14 @@ A plugin imports :mod:`unickpt` (the public names) and this module, nothing else
 - **DCP**: :func:`is_dcp_checkpoint`, :func:`restore_empty_optim_state`.
 - **plugin plumbing**: :func:`flag` (a boolean environment switch), :func:`lazy_getattr` (cheap
   package imports), :class:`Source` (a checkpoint kind for ``unickpt import``).
+- **cross-framework loads** (docs/cross-framework.md): :class:`Layout` (how a framework names training
+  state: subclass it, register it under the entry-point group ``unickpt.layouts``), its
+  :class:`SourceNames` / :class:`TargetNames` and roles :data:`PARAM` / :data:`MASTER`,
+  :func:`source_layout`, :func:`locate_checkpoint`, :func:`registered_layouts`, :class:`StoredParams`
+  (a checkpoint's parameters through rules); the rules' results :class:`Resolved` / :class:`Piece`;
+  :class:`Conversion` (``unickpt export --to`` / ``unickpt import --to``, entry-point group
+  ``unickpt.conversions``) with :class:`ExportPlan`, :class:`ImportPlan`, :func:`materialize`,
+  :func:`box_of`, :func:`dict_resolver`.
 
 Names are imported lazily (importing this module imports no torch).
 """
@@ -35,7 +43,9 @@ __all__ = ["engine", "default_engine", "new_engine", "load_solo", "EngineHandle"
            "METADATA_FILE", "WRITER_FILE", "read_metadata", "CheckpointMetadata", "open_storage", "StorageBackend",
            "flatten", "saved_leaves", "optimizers_untouched", "sharded_tensor_shard", "encode", "decode",
            "dtype_to_str", "str_to_dtype", "Box", "FlatRange", "chunk_pieces", "is_dcp_checkpoint",
-           "restore_empty_optim_state", "flag", "lazy_getattr", "Source"]
+           "restore_empty_optim_state", "flag", "lazy_getattr", "Source", "Layout", "SourceNames", "TargetNames",
+           "PARAM", "MASTER", "source_layout", "locate_checkpoint", "registered_layouts", "StoredParams",
+           "Conversion", "ExportPlan", "ImportPlan", "materialize", "box_of", "dict_resolver", "Resolved", "Piece"]
 
 _EXPORTS = {
     "THIS_PROCESS": "unickpt.dist.comm",
@@ -66,6 +76,23 @@ _EXPORTS = {
     "is_dcp_checkpoint": "unickpt.loading.dcp",
     "restore_empty_optim_state": "unickpt.loading.dcp",
     "Source": "unickpt.tools.importers",
+    "Layout": "unickpt.loading.convert",
+    "SourceNames": "unickpt.loading.convert",
+    "TargetNames": "unickpt.loading.convert",
+    "PARAM": "unickpt.loading.convert",
+    "MASTER": "unickpt.loading.convert",
+    "source_layout": "unickpt.loading.convert",
+    "locate_checkpoint": "unickpt.loading.convert",
+    "registered_layouts": "unickpt.loading.convert",
+    "Resolved": "unickpt.plan.mapping",
+    "Piece": "unickpt.plan.mapping",
+    "StoredParams": "unickpt.loading.convert",
+    "Conversion": "unickpt.tools.convert",
+    "ExportPlan": "unickpt.tools.convert",
+    "ImportPlan": "unickpt.tools.convert",
+    "materialize": "unickpt.tools.convert",
+    "box_of": "unickpt.tools.convert",
+    "dict_resolver": "unickpt.tools.convert",
 }
 __getattr__ = lazy_getattr(__name__, _EXPORTS)
 
@@ -94,11 +121,12 @@ class EngineHandle:
 
     def load(self, path: str, state: dict, *, strict: bool = True, storage_options: dict | None = None,
              allow_pickle: bool = False, verify: bool | None = None, redistribute: bool | None = None,
-             options: Any = None) -> Any:
-        """:func:`unickpt.load` of ``path`` (collective), after this group's pending saves. Returns the
-        :class:`~unickpt.LoadStats`."""
+             options: Any = None, mapping: Any = None) -> Any:
+        """:func:`unickpt.load` of ``path`` (collective), after this group's pending saves (``mapping``: a
+        cross-framework load, see :func:`unickpt.load`). Returns the :class:`~unickpt.LoadStats`."""
         return self._engine.load(path, state, strict=strict, storage_options=storage_options,
-                                 allow_pickle=allow_pickle, verify=verify, redistribute=redistribute, options=options)
+                                 allow_pickle=allow_pickle, verify=verify, redistribute=redistribute, options=options,
+                                 mapping=mapping)
 
     def wait(self) -> None:
         """Block until every pending save of the group has committed; raise the first failure not yet
@@ -153,7 +181,8 @@ def new_engine(process_group: Any = None) -> EngineHandle:
 
 
 def load_solo(path: str, state: dict, *, strict: bool = True, storage_options: dict | None = None,
-              allow_pickle: bool = False, verify: bool | None = None, redistribute: bool | None = None) -> Any:
+              allow_pickle: bool = False, verify: bool | None = None, redistribute: bool | None = None,
+              mapping: Any = None) -> Any:
     """:func:`unickpt.load` in this process alone (a world of one, whatever process groups exist), with
     no engine (no threads, no staging memory): the reader of a file that one process reads by itself."""
     from .dist.comm import Comm
@@ -162,7 +191,7 @@ def load_solo(path: str, state: dict, *, strict: bool = True, storage_options: d
 
     changes = {k: v for k, v in (("verify", verify), ("redistribute", redistribute)) if v is not None}
     return Loader(Comm.solo()).load(path, state, strict=strict, storage_options=storage_options,
-                                    allow_pickle=allow_pickle, options=LoadOptions(**changes))
+                                    allow_pickle=allow_pickle, options=LoadOptions(**changes), mapping=mapping)
 
 
 def default_engine() -> EngineHandle | None:
@@ -214,4 +243,8 @@ if TYPE_CHECKING:
     from .state.codec import decode, encode
     from .state.flat import flatten, optimizers_untouched, saved_leaves, sharded_tensor_shard
     from .storage import StorageBackend, open_storage
+    from .loading.convert import (MASTER, PARAM, Layout, SourceNames, StoredParams, TargetNames, locate_checkpoint,
+                                  registered_layouts, source_layout)
+    from .plan.mapping import Piece, Resolved
+    from .tools.convert import Conversion, ExportPlan, ImportPlan, box_of, dict_resolver, materialize
     from .tools.importers import Source

@@ -14,18 +14,24 @@ from ..format.dtypes import dtype_to_str
 from ..format.metadata import TensorMeta
 from ..state import codec
 
-__all__ = ["check_target", "take_saved_empty_optimizer_states", "check_keys"]
+__all__ = ["check_target", "check_memory", "take_saved_empty_optimizer_states", "check_keys"]
 
 
 def check_target(leaf: Any, tmeta: TensorMeta) -> None:
     """Raise StateMismatchError unless ``leaf`` can take the stored tensor as it is."""
-    fqn, t = leaf.fqn, leaf.local
+    fqn = leaf.fqn
     got_dtype, got_shape = dtype_to_str(leaf.dtype), tuple(leaf.global_shape)
     if (got_dtype, got_shape) != (tmeta.dtype, tmeta.shape):
         raise StateMismatchError(
             f"{fqn!r}: checkpoint has dtype {tmeta.dtype} shape {list(tmeta.shape)}, the state to "
             f"load into has dtype {got_dtype} shape {list(got_shape)} (no implicit cast or reshape)"
         )
+    check_memory(leaf)
+
+
+def check_memory(leaf: Any) -> None:
+    """Raise StateMismatchError unless ``leaf``'s tensor is dense strided memory that bytes can be loaded into."""
+    fqn, t = leaf.fqn, leaf.local
     if t.device.type == "meta":
         raise StateMismatchError(f"{fqn!r}: the tensor to load into is on the meta device (no storage); "
                                  "materialize it first (e.g. model.to_empty(device=...))")

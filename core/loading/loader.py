@@ -34,8 +34,8 @@ from ..plan.read_plan import Segment, make_read_plan
 from ..state import codec
 from ..state.flat import flatten, saved_leaves
 from ..storage import open_storage
-from . import dcp
-from .checks import check_keys, check_target, take_saved_empty_optimizer_states
+from . import convert, dcp
+from .checks import check_keys, check_memory, check_target, take_saved_empty_optimizer_states
 from .exchange import read_and_exchange
 from .stats import LoadStats
 from .targets import ChunkTable, TargetReads
@@ -59,22 +59,34 @@ class Loader:
         self.plans: PlanCache[list[Segment]] = PlanCache(PLAN_CACHE_SIZE)
 
     def load(self, path: str, state: dict, *, strict: bool = True, storage_options: dict | None = None,
-             allow_pickle: bool = False, options: LoadOptions | None = None) -> LoadStats:
+             allow_pickle: bool = False, options: LoadOptions | None = None, mapping: Any = None) -> LoadStats:
         """Load ``path`` into ``state`` in place on this rank (collective). See :func:`unickpt.load`.
 
         Raises, on every rank, what :func:`unickpt.load` lists, and ValueError / TypeError for options
-        that are bad on some rank or that the ranks do not share (``redistribute``)."""
+        that are bad on some rank or that the ranks do not share (``redistribute``), TypeError for a
+        ``mapping`` that is not None, ``"auto"`` or a :class:`unickpt.Mapping` on some rank."""
         opts = LoadOptions()
+        try:
+            mapping = convert.as_mapping(mapping)
+        except TypeError as e:  # raised in the collective part below, with the options' errors
+            mapping, bad_mapping = None, e
+        else:
+            bad_mapping = None
         comm = self.comm
         t0 = time.perf_counter()
         stats = LoadStats()
         storage = open_storage(path, storage_options)
-        if dcp.is_dcp_checkpoint(storage, path):  # a torch.distributed.checkpoint directory (migration)
+        if mapping is not None:  # a framework's own handle of a checkpoint (save_dir, pointer file, ...)
+            path = convert.locate_checkpoint(path, storage)
+        # a torch.distributed.checkpoint directory (migration)
+        if mapping is None and bad_mapping is None and dcp.is_dcp_checkpoint(storage, path):
             return dcp.load_dcp_checkpoint(comm, storage, path, state, strict=strict, allow_pickle=allow_pickle)
         local_error: BaseException | None = None
         signature = None
         try:
             opts = check_options(options if options is not None else LoadOptions(), LoadOptions, "load").validated()
+            if bad_mapping is not None:
+                raise bad_mapping
         except (TypeError, ValueError) as e:  # a bad argument of the call: raised with its own type on every rank
             local_error, tag = e, "options"
         else:
@@ -84,33 +96,15 @@ class Loader:
                 raise local_error
             meta = read_metadata(storage, path)
             flat = flatten(state, for_load=True)
-            # tensors and per-rank entries from every rank's plan; plain objects are group rank 0's
-            _, _, saved_objects = saved_leaves(meta.state_tree)
-            saved_tensors = set(meta.tensors) | set(meta.aliases)
-            saved_per_rank = set(meta.per_rank.get("fqns", []))
-            take_saved_empty_optimizer_states(flat, saved_objects)
-            check_keys(flat, saved_tensors, saved_per_rank, saved_objects, strict, path)
-            # Validate and decode everything before the first byte lands in the caller's state, so a
-            # mismatch or an unsafe object leaves the state untouched.
             table = ChunkTable(meta)
             need = TargetReads()
-            for fqn, leaf in flat.tensors.items():
-                if fqn in saved_tensors:
-                    source = meta.aliases.get(fqn, fqn)
-                    tmeta = meta.tensors[source]
-                    check_target(leaf, tmeta)
-                    need.add(leaf, tmeta.shape, table.by_fqn[source], str_to_dtype(tmeta.dtype).itemsize, opts.verify)
-            objects = {}
-            for fqn, (container, key) in flat.objects.items():
-                if fqn in saved_objects:
-                    value = codec.decode(saved_objects[fqn], allow_pickle=allow_pickle, key=fqn)
-                    if isinstance(container, tuple) and container[key] != value:
-                        raise StateMismatchError(
-                            f"{fqn!r}: checkpoint has {value!r}, the state has {container[key]!r} inside a tuple, "
-                            "which cannot be updated in place (use a list)"
-                        )
-                    objects[fqn] = (container, key, value)
-            per_rank = _per_rank_states(comm, storage, path, meta, flat.per_rank, saved_per_rank, allow_pickle)
+            if mapping is not None:
+                objects, per_rank, values = self._mapped_needs(meta, flat, mapping, strict, path, table, need, opts,
+                                                               stats)
+            else:
+                objects, per_rank = self._needs(comm, storage, path, meta, flat, strict, allow_pickle, table, need,
+                                                opts)
+                values = {}
             signature = _needs_signature(need, table)
         except Exception as e:  # every rank must still join the gather, or the others hang
             local_error = e
@@ -139,6 +133,8 @@ class Loader:
         with torch.no_grad():
             for staging, target in need.fixups:
                 target.copy_(staging)
+            for fqn, value in values.items():
+                flat.tensors[fqn].local.copy_(value)
         for container, key, value in objects.values():
             if not isinstance(container, tuple):
                 container[key] = value
@@ -153,7 +149,66 @@ class Loader:
                      "(%.2f GB/s), stall %.3f s, %d rank(s)", path, meta.step, got / 1e6, stats.bytes_read / 1e6,
                      stats.bytes_received / 1e6, stats.total_s, got / 1e9 / max(stats.total_s, 1e-9), stats.total_s,
                      comm.world_size, extra={"unickpt_event": "load", "unickpt_stats": stats})
+            if stats.conversion is not None:
+                c = stats.conversion
+                log.info("unickpt: %s was written by %s: %d tensors and %s moved through the mapping; left behind "
+                         "(that framework's own): %s; kept as they are: %s", path, c["from"], c["tensors"],
+                         c["values"] or "no plain values", c["left_behind"] or "nothing", c["kept"] or "nothing")
         return stats
+
+    def _needs(self, comm: Comm, storage: Any, path: str, meta: CheckpointMetadata, flat: Any, strict: bool,
+               allow_pickle: bool, table: ChunkTable, need: TargetReads, opts: LoadOptions) -> tuple[dict, dict]:
+        """Checks and needs of a load by name: the checkpoint's fqns are the state's. Returns the plain
+        values to set ``{fqn: (container, key, value)}`` and this rank's per-rank states."""
+        # tensors and per-rank entries from every rank's plan; plain objects are group rank 0's
+        _, _, saved_objects = saved_leaves(meta.state_tree)
+        saved_tensors = set(meta.tensors) | set(meta.aliases)
+        saved_per_rank = set(meta.per_rank.get("fqns", []))
+        take_saved_empty_optimizer_states(flat, saved_objects)
+        check_keys(flat, saved_tensors, saved_per_rank, saved_objects, strict, path)
+        # Validate and decode everything before the first byte lands in the caller's state, so a
+        # mismatch or an unsafe object leaves the state untouched.
+        for fqn, leaf in flat.tensors.items():
+            if fqn in saved_tensors:
+                source = meta.aliases.get(fqn, fqn)
+                tmeta = meta.tensors[source]
+                check_target(leaf, tmeta)
+                need.add(leaf, tmeta.shape, table.by_fqn[source], str_to_dtype(tmeta.dtype).itemsize, opts.verify)
+        objects = {}
+        for fqn, (container, key) in flat.objects.items():
+            if fqn in saved_objects:
+                value = codec.decode(saved_objects[fqn], allow_pickle=allow_pickle, key=fqn)
+                if isinstance(container, tuple) and container[key] != value:
+                    raise StateMismatchError(
+                        f"{fqn!r}: checkpoint has {value!r}, the state has {container[key]!r} inside a tuple, "
+                        "which cannot be updated in place (use a list)"
+                    )
+                objects[fqn] = (container, key, value)
+        per_rank = _per_rank_states(comm, storage, path, meta, flat.per_rank, saved_per_rank, allow_pickle)
+        return objects, per_rank
+
+    def _mapped_needs(self, meta: CheckpointMetadata, flat: Any, mapping: Any, strict: bool, path: str,
+                      table: ChunkTable, need: TargetReads, opts: LoadOptions, stats: LoadStats
+                      ) -> tuple[dict, dict, dict]:
+        """Checks and needs of a cross-framework load through ``mapping`` (:mod:`.convert`): every target
+        tensor is read from the pieces of stored tensors its view names. Per-rank state and the
+        framework's private entries stay as they are (reported in ``stats.conversion``)."""
+        view = convert.build_view(meta, flat, mapping, strict=strict, path=path)
+        for fqn, pieces in view.tensors.items():
+            leaf = flat.tensors[fqn]
+            check_memory(leaf)
+            parts = [(p.region, meta.tensors[p.source].shape, table.by_fqn[p.source], p.offsets) for p in pieces]
+            need.add_pieces(leaf, parts, str_to_dtype(meta.tensors[pieces[0].source].dtype).itemsize, opts.verify)
+        objects = {}
+        for fqn, value in view.objects.items():
+            container, key = flat.objects[fqn]
+            if isinstance(container, tuple):
+                raise StateMismatchError(f"{fqn!r}: the value to load sits inside a tuple, which cannot be updated "
+                                         "in place (use a list)")
+            objects[fqn] = (container, key, value)
+        stats.conversion = view.report
+        stats.conversion_values = view.source_plain
+        return objects, {}, view.values
 
     def _read_plan(self, need: TargetReads, signatures: list[str], stats: LoadStats) -> list[Segment]:
         """The job-wide read plan: from the cache when every rank's needs signature matches a past load

@@ -24,6 +24,8 @@ class LoadStats:
     read_s: float = 0.0  # reads and exchange, overlapped
     copy_s: float = 0.0
     total_s: float = 0.0
+    conversion: dict | None = None  # a cross-framework load: what moved and what stayed (loading.convert.View)
+    conversion_values: dict | None = None  # the checkpoint's canonical plain values (step, scheduler, ...)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

@@ -12,7 +12,7 @@ import torch
 
 from ..format.dtypes import str_to_dtype
 from ..format.metadata import CheckpointMetadata, ChunkMeta
-from ..geometry import Box, ChunkIndex, FlatRange, Piece, byte_runs, chunk_pieces
+from ..geometry import Box, ChunkIndex, FlatRange, Piece, byte_runs, chunk_pieces, intersect
 from ..state.flat import TensorLeaf
 
 __all__ = ["ChunkTable", "Overlap", "TargetReads", "merge_ranges", "piece_runs", "widen_to_blocks", "narrowed",
@@ -61,17 +61,47 @@ class TargetReads:
     def add(self, leaf: TensorLeaf, shape: tuple[int, ...], chunks: list[tuple[int, ChunkMeta]], isz: int,
             verify: bool) -> None:
         """Record what ``leaf`` needs from ``chunks`` (``(chunk id, chunk)`` of its stored tensor)."""
+        leaf = self._staged(leaf)
+        self.expected[leaf.fqn] = leaf.spec.numel
+        self._add_views(leaf.fqn, target_views(leaf), shape, chunks, isz, verify)
+
+    def add_pieces(self, leaf: TensorLeaf, pieces: list[tuple[Box, tuple[int, ...], list[tuple[int, ChunkMeta]],
+                                                               tuple[int, ...]]], isz: int, verify: bool) -> None:
+        """Record what ``leaf`` needs when its tensor is made of pieces of stored tensors (a
+        cross-framework load, :mod:`.convert`): each ``(region, stored shape, stored chunks, offsets)``
+        says that the target's elements ``region`` are the stored tensor's at ``offsets``. This rank's
+        shard is intersected with every region and only the stored byte ranges of the intersections
+        are needed, so resharding and mapping compose (no rank reads a whole tensor for its shard)."""
+        leaf = self._staged(leaf)
+        self.expected[leaf.fqn] = leaf.spec.numel
+        views = target_views(leaf)
+        for region, shape, chunks, offsets in pieces:
+            moved = []
+            for tbox, view in views:
+                inter = intersect(tbox, region)
+                if inter is None:
+                    continue
+                at = tuple(i - r + o for i, r, o in zip(inter.offsets, region.offsets, offsets))
+                moved.append((Box(at, inter.lengths), narrowed(view, tbox, inter)))
+            if moved:
+                self._add_views(leaf.fqn, moved, shape, chunks, isz, verify)
+
+    def _staged(self, leaf: TensorLeaf) -> TensorLeaf:
+        """A flat-range target that is not contiguous is filled through a contiguous staging copy."""
         if isinstance(leaf.spec, FlatRange) and not leaf.local.is_contiguous():
             staging = torch.empty(leaf.local.shape, dtype=leaf.local.dtype)
             self.fixups.append((staging, leaf.local))
             leaf = TensorLeaf(leaf.fqn, leaf.dtype, leaf.global_shape, staging, leaf.spec)
-        self.expected[leaf.fqn] = leaf.spec.numel
-        targets = target_views(leaf)
+        return leaf
+
+    def _add_views(self, fqn: str, targets: list[tuple[Box, torch.Tensor]], shape: tuple[int, ...],
+                   chunks: list[tuple[int, ChunkMeta]], isz: int, verify: bool) -> None:
+        """``targets``: ``(box of the stored tensor, view of the caller's memory with that box's shape)``."""
         by_chunk: dict[int, list] = {}  # chunk index -> (piece offset, target index, Overlap)
         index = ChunkIndex(shape, [c.spec for _, c in chunks])
         for t, (tbox, view) in enumerate(targets):
             for i, piece, inter in index.overlapping(tbox):
-                by_chunk.setdefault(i, []).append((piece.elem_offset, t, Overlap(piece, inter, tbox, view, leaf.fqn)))
+                by_chunk.setdefault(i, []).append((piece.elem_offset, t, Overlap(piece, inter, tbox, view, fqn)))
         for i in sorted(by_chunk):
             cid, chunk = chunks[i]
             found = [o for _, _, o in sorted(by_chunk[i], key=lambda x: x[:2])]
@@ -83,7 +113,6 @@ class TargetReads:
             self.overlaps.setdefault(cid, []).extend(found)
             ranges = merge_ranges(self.ranges.get(cid, []) + runs)
             self.ranges[cid] = widen_to_blocks(ranges, chunk) if verify else ranges
-
 
     def _maybe_direct(self, cid: int, chunk: ChunkMeta, o: Overlap, isz: int) -> None:
         """When the target needs the whole chunk and its memory for it is one contiguous CPU run,

@@ -161,20 +161,35 @@ def cmd_export(args: argparse.Namespace) -> int:
     with _progress(args, "export") as progress:
         res = export_checkpoint(args.path, args.out, format=args.format, max_shard_size=args.max_shard_size,
                                 dtype=args.dtype, keys=args.keys, strip_prefix=not args.keep_prefix,
-                                progress=progress)
+                                progress=progress, to=args.to, model_config=_model_config(args.model_config))
     if args.json:
         print(json.dumps(res.as_dict(), indent=1))
     else:
         print(f"exported {len(res.weight_map)} tensors ({_human(res.total_bytes)}) to {res.out} as {res.format}: "
-              f"{len(res.files)} file(s)" + (f" + {res.index}" if res.index else ""))
+              f"{len(res.files)} file(s)" + (f" + {res.index}" if res.index else "")
+              + "".join(f" + {f}" for f in res.extra_files))
     return 0
+
+
+def _model_config(text: str | None) -> dict | None:
+    """``--model-config``: a JSON object, or the path of a JSON file holding one."""
+    if text is None:
+        return None
+    try:
+        doc = json.loads(text) if text.lstrip().startswith("{") else json.load(open(text))
+    except (OSError, ValueError) as e:
+        raise UnickptError(f"--model-config {text!r} is neither a JSON object nor a JSON file ({e})") from None
+    if not isinstance(doc, dict):
+        raise UnickptError(f"--model-config must be a JSON object, got {type(doc).__name__}")
+    return doc
 
 
 def cmd_import(args: argparse.Namespace) -> int:
     from .importers import import_checkpoint
 
     res = import_checkpoint(args.src, args.out, source=args.source, allow_pickle=args.allow_pickle,
-                            prefix=args.prefix, step=args.step, tag=args.tag)
+                            prefix=args.prefix, step=args.step, tag=args.tag, to=args.to,
+                            model_config=_model_config(args.model_config))
     if args.json:
         print(json.dumps(res.as_dict(), indent=1))
     else:
@@ -265,6 +280,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keys", default=None, metavar="PREFIX",
                    help="only tensors under this fqn prefix (e.g. model), named without it")
     p.add_argument("--keep-prefix", action="store_true", help="with --keys: keep the prefix in the names")
+    p.add_argument("--to", default=None, metavar="NAME",
+                   help="convert to another framework's model (hf-llama: a megatron-core GPT as a Hugging Face "
+                        "Llama folder with config.json); see docs/cross-framework.md")
+    p.add_argument("--model-config", default=None, metavar="JSON",
+                   help="with --to: what the stored shapes do not tell (JSON object or file), e.g. "
+                        '\'{"num_attention_heads": 32}\'')
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_export)
     p = add("import", help="convert a torch / safetensors / HF / DCP / DeepSpeed / Megatron checkpoint")
@@ -277,6 +298,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default=None, help="nest everything under this key (e.g. model)")
     p.add_argument("--step", type=int, default=None, help="step recorded in metadata.json")
     p.add_argument("--tag", default=None, help="DeepSpeed: the tag to import [the one `latest` names]")
+    p.add_argument("--to", default=None, metavar="NAME",
+                   help="write another framework's checkpoint layout (megatron: a Hugging Face Llama folder as a "
+                        "megatron-core dist_checkpointing directory); see docs/cross-framework.md")
+    p.add_argument("--model-config", default=None, metavar="JSON",
+                   help="with --to: settings overriding the source's config.json (JSON object or file)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_import)
     p = add("rm", help="remove checkpoints (uncommit first; never one being written)")

@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from ..errors import UnickptError
+from ..format.dtypes import str_to_dtype
 from .reader import CheckpointReader
 
 __all__ = ["ExportResult", "export_checkpoint", "parse_size", "parse_dtype", "select_keys", "SAFETENSORS_DTYPES"]
@@ -57,7 +58,7 @@ _LAYOUT = {"safetensors": ("model", ".safetensors"), "torch": ("pytorch_model", 
 class ExportResult:
     """What an export wrote: ``files`` (shard names, in order), ``index`` (the index file name, or
     None for a single shard), ``weight_map`` (output name -> shard file), ``total_bytes`` (tensor
-    bytes written, after any dtype cast)."""
+    bytes written, after any dtype cast), ``extra_files`` (a conversion's other files: ``config.json``)."""
 
     out: str
     format: str
@@ -65,6 +66,7 @@ class ExportResult:
     index: str | None = None
     weight_map: dict[str, str] = field(default_factory=dict)
     total_bytes: int = 0
+    extra_files: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -159,10 +161,34 @@ def _out_dtype(src: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and src.is_floating_point else src
 
 
+class _Tensors:
+    """The tensors an export writes, by output name: stored tensors (``{name: fqn}``) or, for a
+    conversion, :class:`~unickpt.plan.mapping.Resolved` pieces of stored tensors."""
+
+    def __init__(self, reader: CheckpointReader, names: dict[str, str] | None = None, resolved: dict | None = None):
+        self.reader, self.names, self.resolved = reader, names or {}, resolved or {}
+
+    def keys(self) -> list[str]:
+        return sorted(self.names or self.resolved)
+
+    def label(self, n: str) -> str:
+        return self.names.get(n, n)
+
+    def shape(self, n: str) -> tuple[int, ...]:
+        return tuple(self.resolved[n].shape) if n in self.resolved else tuple(self.reader.tensor_meta(self.names[n]).shape)
+
+    def dtype(self, n: str) -> torch.dtype:
+        return str_to_dtype(self.resolved[n].dtype) if n in self.resolved else self.reader.dtype(self.names[n])
+
+    def read(self, n: str) -> torch.Tensor:
+        return self.reader.read_resolved(self.resolved[n]) if n in self.resolved else self.reader.read(self.names[n])
+
+
 def export_checkpoint(path: str, out: str, *, format: str = "safetensors", max_shard_size: int | str = "5GB",
                       dtype: str | torch.dtype | None = None, keys: str | None = None, strip_prefix: bool = True,
                       storage_options: dict | None = None, verify: bool = True,
-                      progress: Callable[[int, int], None] | None = None) -> ExportResult:
+                      progress: Callable[[int, int], None] | None = None, to: str | None = None,
+                      model_config: dict | None = None) -> ExportResult:
     """Write the tensors of checkpoint ``path`` as one full model in Hugging Face's layout in ``out``.
 
     Args:
@@ -176,6 +202,11 @@ def export_checkpoint(path: str, out: str, *, format: str = "safetensors", max_s
             ``strip_prefix=False``. None: every tensor (a tied tensor is written under each of its names).
         verify: check every chunk against its checksum while reading.
         progress: ``progress(done, total)`` (bytes written so far, bytes to write), after each tensor.
+        to: a conversion (entry-point group ``unickpt.conversions``, e.g. ``"hf-llama"`` from
+            :mod:`unickpt.megatron.hf`): the tensors are renamed, split, fused and permuted as it says and
+            its files (``config.json``) are written too; ``path`` may then be a framework's own handle of
+            a checkpoint (a Megatron checkpoint directory). Not with ``keys``.
+        model_config: what the conversion needs beyond the stored shapes (e.g. ``num_attention_heads``).
 
     Returns an :class:`ExportResult`. Raises UnickptError (no tensor or no matching key, existing
     output files, ``out`` inside the checkpoint, a dtype safetensors cannot store, a value overflowing
@@ -186,29 +217,43 @@ def export_checkpoint(path: str, out: str, *, format: str = "safetensors", max_s
         raise ValueError(f"export format {format!r} is not one of {', '.join(_LAYOUT)}")
     max_bytes = parse_size(max_shard_size)
     cast = parse_dtype(dtype)
-    reader = CheckpointReader(path, storage_options, verify=verify)
-    names = select_keys(reader.keys(), keys, strip_prefix)
-    if not names:
+    extra_files: dict[str, bytes] = {}
+    if to is not None:
+        from ..loading.convert import locate_checkpoint
+        from ..storage import open_storage
+        from .convert import get_conversion
+
+        if keys is not None:
+            raise UnickptError("--keys selects stored names; with --to the conversion names the tensors")
+        conv = get_conversion("export", to)
+        path = locate_checkpoint(path, open_storage(path, storage_options))
+        reader = CheckpointReader(path, storage_options, verify=verify)
+        plan = conv.run(reader, dict(model_config or {}))
+        tensors, extra_files = _Tensors(reader, resolved=plan.tensors), dict(plan.files)
+    else:
+        reader = CheckpointReader(path, storage_options, verify=verify)
+        tensors = _Tensors(reader, names=select_keys(reader.keys(), keys, strip_prefix))
+    order = tensors.keys()
+    if not order:
         raise UnickptError(f"{path!r} holds no tensors (only plain values); there is nothing to export")
-    if format == "safetensors" and "__metadata__" in names:  # the header's reserved key
-        raise UnickptError(f"{names['__metadata__']!r} would be exported as '__metadata__', which safetensors "
+    if format == "safetensors" and "__metadata__" in order:  # the header's reserved key
+        raise UnickptError(f"{tensors.label('__metadata__')!r} would be exported as '__metadata__', which safetensors "
                            "reserves; use --keep-prefix or --format torch")
-    order = sorted(names)
-    out_dtypes = {n: _out_dtype(reader.dtype(names[n]), cast) for n in order}
+    out_dtypes = {n: _out_dtype(tensors.dtype(n), cast) for n in order}
     for n in order:  # before writing anything: a conversion torch does not have (packed float4)
-        src = reader.dtype(names[n])
+        src = tensors.dtype(n)
         if out_dtypes[n] != src:
             try:
                 torch.empty(1, dtype=src).to(out_dtypes[n])
             except (RuntimeError, TypeError):
-                raise UnickptError(f"{names[n]!r}: torch cannot cast {src} to {out_dtypes[n]}; "
+                raise UnickptError(f"{tensors.label(n)!r}: torch cannot cast {src} to {out_dtypes[n]}; "
                                    "export without --dtype, or select other tensors with --keys") from None
     if format == "safetensors":
         bad = sorted(n for n in order if out_dtypes[n] not in SAFETENSORS_DTYPES)
         if bad:
-            raise UnickptError(f"{names[bad[0]]!r}: dtype {out_dtypes[bad[0]]} cannot be stored in safetensors "
+            raise UnickptError(f"{tensors.label(bad[0])!r}: dtype {out_dtypes[bad[0]]} cannot be stored in safetensors "
                                f"({len(bad)} such tensor(s)); export with --format torch")
-    sizes = [(n, math.prod(reader.tensor_meta(names[n]).shape) * out_dtypes[n].itemsize) for n in order]
+    sizes = [(n, math.prod(tensors.shape(n)) * out_dtypes[n].itemsize) for n in order]
     shards = _plan_shards(sizes, max_bytes)
     stem, ext = _LAYOUT[format]
     files = [f"{stem}{ext}"] if len(shards) == 1 else \
@@ -221,7 +266,8 @@ def export_checkpoint(path: str, out: str, *, format: str = "safetensors", max_s
                                "a committed checkpoint is never modified: export elsewhere")
     created = not os.path.isdir(out)
     os.makedirs(out, exist_ok=True)
-    clash = sorted(f for f in os.listdir(out) if f.startswith(stem) and (f.endswith(ext) or f.endswith(".index.json")))
+    clash = sorted(f for f in os.listdir(out) if (f.startswith(stem) and (f.endswith(ext) or f.endswith(".index.json")))
+                   or f in extra_files)
     if clash:  # also an earlier export with another shard count: never mix two models' shards
         raise UnickptError(f"{os.path.join(out, clash[0])} already exists; export into an empty directory")
     result = ExportResult(out=out, format=format, files=files, index=index)
@@ -241,11 +287,11 @@ def export_checkpoint(path: str, out: str, *, format: str = "safetensors", max_s
             tmp = f"{final}.tmp-{os.getpid()}"  # concurrent exports into one directory never share a file
             try:
                 if format == "safetensors":
-                    _write_safetensors(tmp, reader, names, shard, out_dtypes, cast, advance)
+                    _write_safetensors(tmp, tensors, shard, out_dtypes, cast, advance)
                 else:
                     sd = {}
                     for n in shard:
-                        sd[n] = _cast(reader.read(names[n]), cast, names[n])
+                        sd[n] = _cast(tensors.read(n), cast, tensors.label(n))
                         advance(size_of[n])
                     torch.save(sd, tmp)
                     del sd
@@ -257,6 +303,13 @@ def export_checkpoint(path: str, out: str, *, format: str = "safetensors", max_s
             for n in shard:
                 result.weight_map[n] = file
             result.total_bytes += sum(size_of[n] for n in shard)
+        for name, data in extra_files.items():  # config.json, ... (before the index, which comes last)
+            final = os.path.join(out, name)
+            with open(final + ".tmp", "wb") as f:
+                f.write(data)
+            os.replace(final + ".tmp", final)
+            done.append(final)
+            result.extra_files.append(name)
         if index is not None:
             doc = {"metadata": {"total_size": result.total_bytes}, "weight_map": dict(sorted(result.weight_map.items()))}
             with open(os.path.join(out, index), "w") as f:
@@ -273,14 +326,13 @@ def export_checkpoint(path: str, out: str, *, format: str = "safetensors", max_s
     return result
 
 
-def _write_safetensors(file: str, reader: CheckpointReader, names: dict[str, str], shard: list[str],
-                       out_dtypes: dict[str, torch.dtype], cast: torch.dtype | None,
-                       advance: Callable[[int], None]) -> None:
+def _write_safetensors(file: str, tensors: _Tensors, shard: list[str], out_dtypes: dict[str, torch.dtype],
+                       cast: torch.dtype | None, advance: Callable[[int], None]) -> None:
     """Header first (every shape and dtype is known from the metadata), then each tensor's bytes."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for n in shard:
-        shape = list(reader.tensor_meta(names[n]).shape)
+        shape = list(tensors.shape(n))
         nbytes = math.prod(shape) * out_dtypes[n].itemsize
         header[n] = {"dtype": SAFETENSORS_DTYPES[out_dtypes[n]], "shape": shape, "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
@@ -290,9 +342,9 @@ def _write_safetensors(file: str, reader: CheckpointReader, names: dict[str, str
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for n in shard:
-            t = _cast(reader.read(names[n]), cast, names[n]).contiguous()
+            t = _cast(tensors.read(n), cast, tensors.label(n)).contiguous()
             if t.dtype != out_dtypes[n]:  # cannot happen: guards the header's promise
-                raise UnickptError(f"{names[n]!r}: read as {t.dtype}, the header says {out_dtypes[n]}")
+                raise UnickptError(f"{tensors.label(n)!r}: read as {t.dtype}, the header says {out_dtypes[n]}")
             if t.numel():
                 f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
             advance(header[n]["data_offsets"][1] - header[n]["data_offsets"][0])

@@ -326,7 +326,8 @@ def _count(state: Any) -> tuple[int, int, int]:
 
 def import_checkpoint(src: str, out: str, *, source: str | None = None, allow_pickle: bool = False,
                       prefix: str | None = None, step: int | None = None, tag: str | None = None,
-                      storage_options: dict | None = None) -> ImportResult:
+                      storage_options: dict | None = None, to: str | None = None,
+                      model_config: dict | None = None) -> ImportResult:
     """Read checkpoint ``src`` (see :func:`read_source`) and save it as the unickpt checkpoint ``out``.
 
     ``prefix`` nests the whole state under that key; ``step`` is recorded in ``metadata.json``
@@ -336,7 +337,16 @@ def import_checkpoint(src: str, out: str, *, source: str | None = None, allow_pi
     ``common.pt``) are stored as pickles when ``allow_pickle`` (loading them needs it again), else
     the save raises UnsafeObjectError naming the key. Raises UnickptError / UnsafeObjectError as
     :func:`read_source`, CheckpointExistsError if ``out`` is a committed checkpoint.
+
+    ``to`` names a conversion (entry-point group ``unickpt.conversions``, e.g. ``"megatron"`` from
+    :mod:`unickpt.megatron.hf`): the source state is turned into that framework's layout (tensors
+    renamed, fused, permuted; ``model_config`` overrides the source's settings) and saved into
+    ``out/<subdir>``, with the framework's own files around it written after the commit (its commit
+    marker last). Not with ``prefix``.
     """
+    if to is not None:
+        return _import_as(src, out, to, source=source, allow_pickle=allow_pickle, prefix=prefix, step=step, tag=tag,
+                          storage_options=storage_options, model_config=model_config)
     from ..api import save
     from ..lifecycle.root import CheckpointRoot, step_of
     from ..storage import open_storage
@@ -363,3 +373,31 @@ def import_checkpoint(src: str, out: str, *, source: str | None = None, allow_pi
         CheckpointRoot(root, storage_options).update_latest()
     n, nbytes, objects = _count(state)
     return ImportResult(kind, os.fspath(src), out, n, nbytes, objects)
+
+
+def _import_as(src: str, out: str, to: str, *, source: str | None, allow_pickle: bool, prefix: str | None,
+               step: int | None, tag: str | None, storage_options: dict | None, model_config: dict | None
+               ) -> ImportResult:
+    """:func:`import_checkpoint` through the import conversion ``to``."""
+    from ..engine import get_engine
+    from ..storage import open_storage
+    from .convert import get_conversion
+
+    if prefix:
+        raise UnickptError("--prefix nests the state under a key; with --to the conversion names the tensors")
+    conv = get_conversion("import", to)
+    kind = source or detect_source(os.fspath(src))
+    state = read_source(src, kind, allow_pickle=allow_pickle, tag=tag)
+    plan = conv.run(state, dict(model_config or {}), os.fspath(src))
+    storage = open_storage(out, storage_options)
+    target = storage.join(out, plan.subdir) if plan.subdir else out
+    if plan.files and any(storage.exists(storage.join(out, f)) for f in plan.files):
+        raise UnickptError(f"{out!r} already holds {', '.join(f for f in plan.files if storage.exists(storage.join(out, f)))}; "
+                           "import into a new directory")
+    with contextlib.redirect_stdout(sys.stderr):
+        get_engine(None).save(target, plan.state, storage_options=storage_options, step=step, framework=plan.framework,
+                              extra=plan.extra, allow_pickle=allow_pickle).wait()
+    for name, data in plan.files.items():  # after the commit; the last one is the outer framework's marker
+        storage.write_atomic(storage.join(out, name), data)
+    n, nbytes, objects = _count(plan.state)
+    return ImportResult(f"{kind}->{to}", os.fspath(src), out, n, nbytes, objects)

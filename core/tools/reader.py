@@ -15,7 +15,7 @@ import torch
 from ..errors import IntegrityError, StateMismatchError
 from ..format.dtypes import str_to_dtype
 from ..format.metadata import ChunkMeta, CheckpointMetadata, TensorMeta, read_metadata
-from ..geometry import Box, FlatRange, row_major_strides
+from ..geometry import Box, ChunkIndex, FlatRange, row_major_strides
 from ..loading.reads import read_ranges, verify_ranges
 from ..state import codec
 from ..state.flat import saved_leaves
@@ -50,6 +50,7 @@ class CheckpointReader:
         self.storage = open_storage(self.path, storage_options)
         self.meta: CheckpointMetadata = read_metadata(self.storage, self.path)
         self.verify = verify
+        self._last_chunk: tuple[Any, torch.Tensor | None] = (None, None)
 
     def keys(self) -> list[str]:
         """Every tensor fqn, tied ones (aliases) included, sorted."""
@@ -108,6 +109,46 @@ class CheckpointReader:
         read_ranges(self.storage, file, chunk, span, buf, 0)
         if self.verify:
             verify_ranges(buf, 0, span, chunk, file)
+
+    def read_box(self, fqn: str, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
+        """The box ``(offsets, lengths)`` of tensor ``fqn``: a new CPU tensor of the stored dtype, read from
+        the chunks that overlap it only (each read whole and verified). Raises IntegrityError when the
+        stored chunks do not cover the box."""
+        t = self.tensor_meta(fqn)
+        box = Box(tuple(offsets), tuple(lengths))
+        out = torch.empty(box.lengths, dtype=str_to_dtype(t.dtype))
+        index = ChunkIndex(tuple(t.shape), [c.spec for c in t.chunks])
+        found = index.overlapping(box)
+        filled = 0
+        for i, piece, inter in found:
+            chunk = t.chunks[i]
+            key = (chunk.file, chunk.byte_offset, chunk.byte_length)
+            if self._last_chunk[0] != key:  # one chunk buffer at a time, kept for the next box (q, k, v of one qkv)
+                buf = torch.empty(chunk.byte_length, dtype=torch.uint8)
+                try:
+                    self._read_chunk(chunk, buf)
+                except IntegrityError as e:
+                    raise IntegrityError(f"tensor {fqn!r}: {e}") from e
+                self._last_chunk = (key, buf)
+            isz = out.element_size()
+            src = self._last_chunk[1][piece.elem_offset * isz: (piece.elem_offset + piece.box.numel) * isz]
+            src = src.view(out.dtype).view(piece.box.lengths)
+            src = src[tuple(slice(a - b, a - b + n) for a, b, n in zip(inter.offsets, piece.box.offsets, inter.lengths))]
+            dst = out[tuple(slice(a - b, a - b + n) for a, b, n in zip(inter.offsets, box.offsets, inter.lengths))]
+            dst.copy_(src)
+            filled += inter.numel
+        if filled != box.numel:
+            raise IntegrityError(f"tensor {fqn!r}: stored chunks cover {filled} of the {box.numel} elements of {box}")
+        return out
+
+    def read_resolved(self, res: Any) -> torch.Tensor:
+        """A tensor assembled from the pieces of a :class:`~unickpt.plan.mapping.Resolved` whose sources
+        are this checkpoint's fqns (renamed, split, fused, permuted tensors), one stored box at a time."""
+        out = torch.empty(res.shape, dtype=str_to_dtype(res.dtype))
+        for p in res.pieces:
+            region = tuple(slice(o, o + n) for o, n in zip(p.region.offsets, p.region.lengths))
+            out[region] = self.read_box(p.source, p.offsets, p.region.lengths)
+        return out
 
     def items(self, keys: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(fqn, tensor)`` for ``keys`` (default: all), one tensor in memory at a time."""

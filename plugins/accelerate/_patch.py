@@ -36,6 +36,7 @@ from ._state import build_state, process0_buffers
 __all__ = ["enable", "disable", "is_enabled", "options_for", "wait", "patch_accelerate"]
 
 log = logging.getLogger("unickpt.accelerate")
+FRAMEWORK = "accelerate"  # recorded in metadata.json: unickpt.accelerate.layout reads these checkpoints elsewhere
 
 _lock = threading.Lock()
 _global: Options | None = None  # enable() without an accelerator
@@ -245,7 +246,7 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
     # the unickpt root inside this Accelerate folder keeps its newest committed save only, then runs the
     # total_limit rotation on group rank 0
     ckpt = Checkpointer(_layout.store_root(output_dir), keep_last=1, on_commit=None if after is None else lambda _: after(),
-                        allow_pickle=opts.allow_pickle or not safe_serialization)
+                        allow_pickle=opts.allow_pickle or not safe_serialization, framework=FRAMEWORK)
     step: int | None = None
     try:
         state = build_state(acc, indices, opts, saving=True)  # collective on several processes
@@ -334,12 +335,55 @@ def _advance_iteration(acc: Any, engine: Any, loaded: int | None) -> None:
         acc.project_configuration.iteration = max(candidates) + 1
 
 
+def _foreign(path: str) -> str | None:
+    """The committed unickpt checkpoint another framework wrote behind ``path`` (a Lightning pointer
+    file, a DeepSpeed ``save_dir`` or tag, a megatron directory, a ``unickpt.save`` directory), or None."""
+    storage = ext.open_storage(path)
+    found = ext.locate_checkpoint(path, storage)
+    if not ext.is_committed(storage, found):
+        return None
+    return found if ext.read_metadata(found).framework != FRAMEWORK else None
+
+
+def _load_foreign(acc: Any, opts: Options, path: str, kwargs: dict) -> None:
+    """``load_state`` of a checkpoint written by another framework (docs/cross-framework.md): the models,
+    optimizers, schedulers and scaler are loaded through the checkpoint's layout, resharded to this run
+    (weights, fp32 master copies, optimizer moments and steps, param groups, the LR schedule); the
+    dataloaders' epoch counter follows the checkpoint's epochs when it has them. Accelerate's own state
+    (RNG, ``accelerator.step``, registered objects) stays as it is. Collective. Raises
+    StateMismatchError naming what cannot move (see :func:`unickpt.load`)."""
+    kwargs = dict(kwargs)
+    kwargs.pop("map_location", None)
+    strict = kwargs.pop("strict", True)
+    if kwargs:
+        raise TypeError(f"load_state: unexpected keyword argument(s) {sorted(kwargs)} for a checkpoint of another "
+                        "framework (supported: strict, map_location)")
+    state = build_state(acc, list(range(len(acc._models))), opts)
+    state = {k: state[k] for k in ("scaler", "models", "optimizers", "schedulers") if k in state}
+    stats = ext.engine().load(path, state, strict=strict, mapping="auto")
+    epoch = (stats.conversion_values or {}).get("epoch")
+    if isinstance(epoch, int):
+        for dl in acc._dataloaders:
+            if hasattr(dl, "iteration"):
+                dl.iteration = epoch
+    if acc.scaler is not None and acc.is_fsdp2:
+        acc.scaler._lazy_init_scale_growth_tracker(acc.scaler._device)
+    if ext.engine().rank == 0:
+        log.info("unickpt.accelerate: loaded %s, written by %s (%s)", path, stats.conversion["from"], stats.conversion)
+
+
 def _load_state(acc: Any, opts: Options, input_dir: str | None, load_kwargs: dict | None, kwargs: dict) -> Any:
     from accelerate.utils import DistributedType
 
     engine = ext.engine()
     _wait_tracked()
     engine.wait()  # a pending save commits first: it may be the one being loaded
+    if input_dir is not None:  # another framework's checkpoint (a file, or a folder without unickpt/)
+        given = os.path.expanduser(os.fspath(input_dir))
+        if not os.path.isdir(given) or _layout.folder_kind(given) == "none":
+            foreign = engine.broadcast(_foreign(given) if engine.rank == 0 else None)
+            if foreign is not None:
+                return _load_foreign(acc, opts, foreign, kwargs)
     input_dir = _input_dir(acc, input_dir, engine)
     kind = engine.broadcast(_layout.folder_kind(input_dir) if engine.rank == 0 else None)
     if kind == "none":

@@ -274,9 +274,10 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
 
     Raises:
         CheckpointNotFoundError: no committed checkpoint at ``load_dir/<tag>``.
-        StateMismatchError: a parameter or optimizer state missing from the checkpoint (named), a dtype or
-            shape mismatch, another number of param groups, or another optimizer's state (checked before
-            anything is loaded: the engine is then left as it was).
+        StateMismatchError: a checkpoint written by another framework; a parameter or optimizer state
+            missing from the checkpoint (named), a dtype or shape mismatch, another number of param groups,
+            or another optimizer's state (checked before anything is loaded: the engine is then left as it
+            was).
         NotImplementedError: ``custom_load_fn``, pipeline parallelism, NVMe offload.
     """
     ckpt = engine.checkpoint_engine
@@ -312,6 +313,11 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
                         load_optimizer_states=load_optimizer_states,
                         load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
     meta = ext.read_metadata(path, cfg.storage_options or None)  # CheckpointNotFoundError when uncommitted or absent
+    if meta.framework != "deepspeed":
+        raise StateMismatchError(
+            f"{path!r} was written by {meta.framework or 'unickpt.save'}; a DeepSpeed engine loads DeepSpeed "
+            "checkpoints only (load it into FSDP / Accelerate / Lightning, which read other frameworks' "
+            "checkpoints: docs/cross-framework.md)")
     if engine._optimizer_has_ckpt_event_prologue():
         engine.optimizer.checkpoint_event_prologue()
     try:  # the epilogue must run whatever fails (ZeRO-3: it gathers the persistent parameters again)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from unickpt import ext
+from unickpt import StateMismatchError, ext
 
 from . import _layout
 from ._layout import Pointer
@@ -380,6 +380,9 @@ def load_sharded(io: Any, strategy: Any, checkpoint_path: Any, weights_only: boo
     path = _fspath(strategy.broadcast(os.fspath(checkpoint_path)))
     options = io._options(None)
     engine = ext.engine()
+    foreign = engine.broadcast(_foreign(path, options) if engine.rank == 0 else None)
+    if foreign is not None:  # written by another framework: through its layout (docs/cross-framework.md)
+        return load_foreign(io, strategy, foreign, options)
     pointer = _agree_pointer(engine, path, options, foreign=("file", "dir") if original is not None else ())
     if pointer is None:  # Lightning's own checkpoint (before unickpt was turned on): Lightning's own reader
         return original(strategy, checkpoint_path, weights_only=weights_only)
@@ -401,6 +404,80 @@ def load_sharded(io: Any, strategy: Any, checkpoint_path: Any, weights_only: boo
     if found:
         raise _unsafe(path, found, saving=False)
     return join(ext.decode(state[TREE_KEY], allow_pickle=allow, key=TREE_KEY), lambda tag: None)
+
+
+def _foreign(path: str, options: dict | None) -> str | None:
+    """The committed unickpt checkpoint another framework wrote behind ``path`` (an Accelerate
+    ``checkpoint_<N>`` folder, a DeepSpeed ``save_dir`` or tag, a ``unickpt.save`` directory), or None
+    (a Lightning pointer or pack, Lightning's own files, nothing)."""
+    from .io import FRAMEWORK
+
+    storage = ext.open_storage(path, options)
+    if not storage.isdir(path):
+        return None  # pointers and packs are Lightning's
+    found = ext.locate_checkpoint(path, storage)
+    if not ext.is_committed(storage, found):
+        return None
+    return found if ext.read_metadata(found, options).framework != FRAMEWORK else None
+
+
+def load_foreign(io: Any, strategy: Any, path: str, options: dict | None) -> dict:
+    """Load a checkpoint written by another framework into ``strategy.model``, its optimizer and LR
+    scheduler (while fitting), resharded, through the checkpoint's layout; return the checkpoint dict
+    Lightning restores its loops from: the source's training step, its completed epochs (0 when it
+    counts none) and the restored scheduler state. The run resumes at an epoch boundary: the position
+    inside an epoch is not portable. Collective. Raises StateMismatchError naming what cannot move."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    module = strategy.lightning_module
+    trainer = module.trainer
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    state = _live_state(strategy, with_optimizers=fitting)
+    configs = trainer.lr_scheduler_configs if fitting else []
+    if len(configs) > 1:
+        raise StateMismatchError(f"{path!r}: this LightningModule has {len(configs)} LR schedulers; a checkpoint of another "
+                        "framework carries one")
+    if configs:
+        state["lr_scheduler"] = configs[0].scheduler
+    stats = ext.engine().load(path, state, strict=bool(module.strict_loading), storage_options=options,
+                              verify=io.verify, mapping="auto")
+    values = stats.conversion_values or {}
+    step = values.get("step")
+    if step is None:  # a framework that counts no training step (Accelerate): the optimizer's own, just loaded
+        steps = [float(st["step"]) for o in _optimizers(strategy) for st in o.state.values() if "step" in st]
+        step = int(max(steps)) if steps else 0
+    step, epochs = int(step), int(values.get("epoch") or 0)
+    if ext.engine().rank == 0:
+        log.info("unickpt.lightning: loaded %s, written by %s, at step %d (%d epochs): %s", path,
+                 stats.conversion["from"], step, epochs, stats.conversion)
+    import lightning
+
+    return {"epoch": epochs, "global_step": step, "pytorch-lightning_version": lightning.__version__,
+            "loops": _loops(trainer, step, epochs), "lr_schedulers": [c.scheduler.state_dict() for c in configs],
+            "callbacks": {}}
+
+
+def _loops(trainer: Any, step: int, epochs: int) -> dict:
+    """Lightning's loop state of a run that has taken ``step`` optimizer steps over ``epochs`` finished
+    epochs and stands at the start of the next one (the progress counters ``trainer.global_step``,
+    ``current_epoch`` and the loops' restart logic read)."""
+    loops = {"fit_loop": trainer.fit_loop.state_dict(), "validate_loop": trainer.validate_loop.state_dict(),
+             "test_loop": trainer.test_loop.state_dict(), "predict_loop": trainer.predict_loop.state_dict()}
+    fit = loops["fit_loop"]
+
+    def fill(progress: dict, total: int, current: int) -> None:
+        for part, n in (("total", total), ("current", current)):
+            for k in progress.get(part, {}):
+                progress[part][k] = n
+
+    fill(fit["epoch_progress"], epochs, epochs)
+    fill(fit["epoch_loop.batch_progress"], step, 0)
+    fit["epoch_loop.batch_progress"]["is_last_batch"] = False
+    fit["epoch_loop.state_dict"]["_batches_that_stepped"] = step
+    optim = fit["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]
+    fill(optim["step"], step, 0)
+    fill(optim["zero_grad"], step, 0)
+    return loops
 
 
 def deepspeed_config(config: dict, io: Any) -> dict:

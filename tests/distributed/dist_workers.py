@@ -310,7 +310,10 @@ def options_bad_on_one_rank(root: str, bad_rank: int) -> dict:
     loaded = _outcome(lambda: unickpt.load(os.path.join(root, "c"), {"w": torch.zeros(8)}, options=load_opts))
     differ = _outcome(lambda: unickpt.load(os.path.join(root, "c"), {"w": torch.zeros(8)},
                                            options=unickpt.LoadOptions(redistribute=rank == 0)))
+    mapped = _outcome(lambda: unickpt.load(os.path.join(root, "c"), {"w": torch.zeros(8)},
+                                           mapping="bogus" if rank == bad_rank else None))
     out = {"w": torch.zeros(8)}
     unickpt.load(os.path.join(root, "c"), out)
-    return {"saved": saved, "typed": typed, "loaded": loaded, "differ": differ, "ok": torch.equal(out["w"], w),
+    return {"saved": saved, "typed": typed, "loaded": loaded, "differ": differ, "mapped": mapped,
+            "ok": torch.equal(out["w"], w),
             "committed": {p: os.path.exists(os.path.join(root, p, "metadata.json")) for p in "abc"}}

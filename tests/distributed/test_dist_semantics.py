@@ -222,6 +222,8 @@ def test_bad_options_on_one_rank_raise_everywhere_without_a_hang(pool, tmp_path)
     assert "save(options=...) takes a unickpt.SaveOptions, got dict" in good["typed"][1]
     assert bad["loaded"] == ("ValueError", "read_threads must be at least 1, got 0")
     assert good["loaded"] == ("ValueError", "rank 1: read_threads must be at least 1, got 0")
+    assert bad["mapped"] == ("TypeError", "mapping must be None, 'auto' or a unickpt.Mapping, got 'bogus'")
+    assert good["mapped"] == ("TypeError", "rank 1: mapping must be None, 'auto' or a unickpt.Mapping, got 'bogus'")
     for r in results:
         assert r["differ"][0] == "ValueError" and "rank 0: True, rank 1: False" in r["differ"][1], r["differ"]
         assert r["ok"] and r["committed"] == {"a": False, "b": False, "c": True}
