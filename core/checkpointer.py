@@ -125,12 +125,13 @@ class Checkpointer:
         if self._tiers is None:
             return self._persist(step, state, async_save)
         tiers, opts = self._tiers, self.tier_options
-        agreement = tiers.agree()
-        if agreement.preempt:
-            return self._preempt(step, state, agreement)
+        pending = tiers.start_agreement()  # in flight during the memory snapshot
         handle = None
         if tiers.due(step):
             handle = tiers.memory_save(step, state, allow_pickle=self.allow_pickle)
+        agreement = tiers.finish_agreement(pending)
+        if agreement.preempt:
+            return self._preempt(step, state, agreement) or handle
         if persist or (persist is None and opts.persist_every is not None and step % opts.persist_every == 0):
             handle = self._persist(step, state, async_save)
         return handle

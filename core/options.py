@@ -137,6 +137,13 @@ class SaveOptions:
             saved by that rank alone: :mod:`unickpt.tiers`): tensors need not be covered entirely
             (``layout.partial`` in ``metadata.json``); such a checkpoint loads only into the shards
             it holds.
+        in_place: stage straight into the data file (local storage on a tmpfs, such as the memory
+            tiers in /dev/shm): the staging ring is the rank's one data file, mapped, so the copy
+            of the snapshot is the write and the drain only checksums (no second copy, no separate
+            ring). The value is a directory of spare files of the same file system: a save takes one
+            (``rename``, recycling its memory pages) when it holds one that nothing else links, else
+            it creates the file. Used only where a rank's data fit one file (``segment_bytes``) and
+            with ``writer="thread"``; other saves stage as usual. None: off.
 
     Options that shape the plan or the commit (:meth:`plan_key`) must be equal on every rank of a
     save (it raises ValueError otherwise).
@@ -156,6 +163,7 @@ class SaveOptions:
     write_block: int = 16 << 20
     check_replicas: str | None = None
     partial: bool = False
+    in_place: str | None = None
 
     def with_(self, **changes: Any) -> "SaveOptions":
         """A validated copy with ``changes``. Raises ValueError for unknown fields or bad values."""

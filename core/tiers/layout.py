@@ -9,6 +9,10 @@ its own subdirectory, named after its persistent root)::
         peer/rank_<q>_of_<W>/step_<N>/      tier 1: the copy of rank q's step N held here for it
         peer/rank_<q>_of_<W>/.incoming-<N>/ a peer copy being received (renamed to step_<N> when whole)
         own/rank_<r>_of_<W>/.restore-<N>/   a copy being received from a peer during recovery
+        own/rank_<r>_of_<W>/.spare/         the data file of a removed copy, which the next save reuses
+                                            (in-place staging: its memory pages are not allocated anew)
+        own/rank_<r>_of_<W>/.sending/       second links of the files a peer copy is reading (a
+                                            linked file is never reused while it is being sent)
 
 Every ``step_<N>`` is a unickpt checkpoint directory of one rank's state saved by that rank alone
 (``SaveOptions.partial``: ``layout.partial`` in its ``metadata.json``), so the commit rule, the
@@ -26,16 +30,20 @@ import json
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..format.layout import METADATA_FILE
 
-__all__ = ["MemoryLayout", "run_key", "scan", "copy_files", "retain_steps", "dir_bytes", "STEP_DIR", "RANK_DIR"]
+__all__ = ["MemoryLayout", "run_key", "copy_files", "retain_steps", "remove_tree", "recycle_into", "dir_bytes",
+           "STEP_DIR", "RANK_DIR", "SPARE_DIR", "SENDING_DIR"]
 
 STEP_DIR = re.compile(r"^step_(0|[1-9][0-9]*)$")
 RANK_DIR = re.compile(r"^rank_(0|[1-9][0-9]*)_of_([1-9][0-9]*)$")
 KINDS = ("own", "peer")
+SPARE_DIR = ".spare"  # own/rank_<r>_of_<W>/.spare/: data files of removed copies, for the next save to reuse
+SENDING_DIR = ".sending"  # own/rank_<r>_of_<W>/.sending/: second links of files a peer copy is sending
 
 
 def run_key(root: str) -> str:
@@ -148,8 +156,8 @@ class MemoryLayout:
         return gone
 
     def remove_newer(self, world_size: int, step: int) -> list[str]:
-        """Remove every copy of world size ``world_size`` newer than ``step``, and every unfinished
-        one (they belong to a future the job no longer has, after it restored ``step``)."""
+        """Remove every copy of world size ``world_size`` newer than ``step``, and the leftovers of
+        transfers (they belong to a future the job no longer has, after it restored ``step``)."""
         gone = []
         for kind in KINDS:
             kind_dir = os.path.join(self.run_dir, kind)
@@ -160,7 +168,7 @@ class MemoryLayout:
                 rank_dir = os.path.join(kind_dir, name)
                 for entry in _listdir(rank_dir):
                     sm = STEP_DIR.match(entry)
-                    if (sm and int(sm.group(1)) > step) or entry.startswith("."):
+                    if (sm and int(sm.group(1)) > step) or entry.startswith((".incoming-", ".restore-")):
                         remove_tree(os.path.join(rank_dir, entry))
                         gone.append(os.path.join(rank_dir, entry))
         return gone
@@ -200,21 +208,47 @@ def copy_files(path: str) -> list[list]:
     return files
 
 
-def remove_tree(path: str) -> None:
-    """Uncommit (``metadata.json`` first), then remove the tree; missing entries are fine."""
+def remove_tree(path: str, recycle: Callable[[str], None] | None = None) -> None:
+    """Uncommit (``metadata.json`` first), then ``recycle(path)`` (which may move data files away for
+    reuse), then remove the tree; missing entries are fine."""
     try:
         os.remove(os.path.join(path, METADATA_FILE))
     except (FileNotFoundError, NotADirectoryError):
         pass
+    if recycle is not None:
+        try:
+            recycle(path)
+        except OSError:  # pragma: no cover - the files go with the tree then
+            pass
     shutil.rmtree(path, ignore_errors=True)
 
 
-def retain_steps(rank_dir: str, keep: int, protected: int | None, busy: Callable[[str], bool]) -> list[int]:
+def recycle_into(spare_dir: str, max_spares: int) -> Callable[[str], None]:
+    """A ``recycle`` for :func:`remove_tree`: move a removed copy's data files into ``spare_dir``
+    (while it holds fewer than ``max_spares``), where in-place staging takes them
+    (``SaveOptions.in_place``): the next copy reuses their memory pages instead of new ones."""
+
+    def recycle(path: str) -> None:
+        os.makedirs(spare_dir, exist_ok=True)
+        have = len(os.listdir(spare_dir))
+        for name in _listdir(os.path.join(path, "data")):
+            if have >= max_spares:
+                return
+            os.rename(os.path.join(path, "data", name),
+                      os.path.join(spare_dir, f"{os.getpid()}-{time.time_ns()}-{name}"))
+            have += 1
+
+    return recycle
+
+
+def retain_steps(rank_dir: str, keep: int, protected: int | None, busy: Callable[[str], bool],
+                 recycle: Callable[[str], None] | None = None) -> list[int]:
     """Retention of one rank's copies of one kind: keep the newest ``keep`` committed steps and the
     newest committed step at or below ``protected`` (the job's newest common step), remove the other
     committed steps and the unfinished ones (``step_<N>`` without ``metadata.json``: a crashed save's)
     unless ``busy(path)`` (a save in flight). Transfers in progress live in dot-directories, which
-    their own threads clean up. Returns the steps removed."""
+    their own threads clean up. ``recycle``: see :func:`remove_tree` (committed copies only).
+    Returns the steps removed."""
     entries = _steps(rank_dir)
     committed = [s for s, ok in entries if ok]
     keep_set = set(committed[-keep:]) if keep > 0 else set()
@@ -227,6 +261,6 @@ def retain_steps(rank_dir: str, keep: int, protected: int | None, busy: Callable
         path = os.path.join(rank_dir, f"step_{step}")
         if step in keep_set or busy(path):
             continue
-        remove_tree(path)
+        remove_tree(path, recycle if ok else None)
         removed.append(step)
     return removed

@@ -40,7 +40,7 @@ from ..loading.loader import Loader
 from ..loading.stats import LoadStats
 from ..options import LoadOptions, SaveOptions, TierOptions
 from ..saving.saver import Saver
-from .layout import MemoryLayout, dir_bytes, remove_tree, retain_steps
+from .layout import SPARE_DIR, MemoryLayout, dir_bytes, recycle_into, remove_tree, retain_steps
 from .peer import PeerCopier
 from .placement import Placement
 from .recovery import Recovery, RecoveryResult
@@ -51,6 +51,7 @@ __all__ = ["Tiers", "Agreement", "finish_all"]
 log = logging.getLogger("unickpt")
 
 _LIVE: "weakref.WeakSet[Tiers]" = weakref.WeakSet()
+MAX_SPARES = 1  # data files of removed copies kept for the next memory save (in-place staging)
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,12 @@ class Tiers:
         if self.memory:
             self.layout.ensure(self.node)
             base = save_options or SaveOptions()
+            own_root = self.layout.rank_root("own", self.rank, self.world_size)
+            self._spare_dir = os.path.join(own_root, SPARE_DIR)
+            os.makedirs(self._spare_dir, exist_ok=True)
             self.memory_options = base.with_(partial=True, direct_io=False, upload_to=None, upload_options=None,
-                                             writer="thread", check_replicas="off")
+                                             writer="thread", check_replicas="off", segment_bytes=1 << 50,
+                                             in_place=self._spare_dir)
             self.saver = Saver(Comm.solo(), self.memory_options, uuid.uuid4().hex, local_world_size=local_world_size,
                                timeout_s=timeout_s)
             self.loader = Loader(Comm.solo())
@@ -138,16 +143,29 @@ class Tiers:
     def agree(self) -> Agreement:
         """Caller's thread, every step (**1 collective**: an all-reduce of 2 int64 on the private plan
         group): has any rank received a preemption notice, and the job's memory watermark."""
+        return self.finish_agreement(self.start_agreement())
+
+    def start_agreement(self) -> tuple:
+        """The first half of :meth:`agree`: post the all-reduce (asynchronously, so that a memory
+        snapshot can run while it travels and the ranks' arrival skew is hidden behind it)."""
         t0 = time.perf_counter()
-        mine = self._contribution()
-        flag = self.notice.flag
+        t = torch.tensor([1 if self.notice.flag else 0, -self._contribution()], dtype=torch.int64)
+        work = None
         if self.world_size > 1:
             import torch.distributed as dist
 
-            t = torch.tensor([1 if flag else 0, -mine], dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.comm.plan_group)
-            flag, mine = bool(t[0].item()), -int(t[1].item())
-        seconds = time.perf_counter() - t0
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.comm.plan_group, async_op=True)
+        return t0, t, work, time.perf_counter() - t0
+
+    def finish_agreement(self, pending: tuple) -> Agreement:
+        """The second half of :meth:`agree`: wait for the all-reduce, then retention. ``seconds`` of
+        the agreement counts the posting and this wait, not what ran between them."""
+        _, t, work, posted = pending
+        t1 = time.perf_counter()
+        if work is not None:
+            work.wait()
+        flag, mine = bool(t[0].item()), -int(t[1].item())
+        seconds = posted + time.perf_counter() - t1
         self.agree_s.append(seconds)
         agreement = Agreement(flag, mine if mine >= 0 else None, seconds)
         self.last_agreement = agreement
@@ -164,7 +182,8 @@ class Tiers:
         ``own_only``, of those it holds for its senders (caller's thread, or the commit thread)."""
         keep = self.options.memory_keep
         with self._retain_lock:
-            retain_steps(self.layout.rank_root("own", self.rank, self.world_size), keep, watermark, self._busy)
+            retain_steps(self.layout.rank_root("own", self.rank, self.world_size), keep, watermark, self._busy,
+                         recycle_into(self._spare_dir, MAX_SPARES))
             if self.peer is not None and not own_only:
                 for s in self.peer.senders:
                     retain_steps(self.layout.rank_root("peer", s, self.world_size), keep, watermark, lambda p: False)

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from .layout import MemoryLayout, copy_files, remove_tree
+from .layout import SENDING_DIR, MemoryLayout, copy_files, remove_tree
 
 __all__ = ["PeerCopier", "map_file", "reserve_file", "COPIED", "SKIPPED", "FAILED"]
 
@@ -194,7 +194,6 @@ class PeerCopier:
 
     def _send_one(self, job: tuple) -> None:
         step, handle, path = job
-        assert self.holder is not None
         status, files, maps = COPIED, [], []
         if handle is None:
             status = SKIPPED
@@ -205,16 +204,40 @@ class PeerCopier:
                 status = FAILED
         if status == COPIED and self._sends.newer_copy_queued():
             status = SKIPPED  # behind: the newer copy goes instead
+        links: list[str] = []
         if status == COPIED:
             self.sending = path
             try:
                 files = copy_files(path)
+                # a second link per data file: in-place staging never reuses a file while it is sent
+                sending = os.path.join(os.path.dirname(path), SENDING_DIR)
+                os.makedirs(sending, exist_ok=True)
+                for rel, _ in files:
+                    if rel.startswith("data/"):
+                        link = os.path.join(sending, f"{step}-{os.path.basename(rel)}")
+                        if os.path.lexists(link):
+                            os.remove(link)
+                        os.link(os.path.join(path, rel), link)
+                        links.append(link)
                 maps = [map_file(os.path.join(path, rel), n) if n else None for rel, n in files]
             except (OSError, RuntimeError) as e:  # removed meanwhile (a recovery), or unreadable
                 log.warning("unickpt: peer copy of %s skipped: %s", path, e)
                 status, maps = FAILED, []
             finally:
-                self.sending = None  # mapped: a removal now leaves the mapped pages alive
+                self.sending = None  # mapped and linked: a removal now leaves the pages alive
+        try:
+            self._send_copy(step, status, files, maps)
+        finally:
+            maps = []
+            for link in links:
+                try:
+                    os.remove(link)
+                except OSError:
+                    pass
+
+    def _send_copy(self, step: int, status: int, files: list, maps: list) -> None:
+        """Steps 1-4 of the module docstring, sender side."""
+        assert self.holder is not None
         manifest = json.dumps(files).encode() if status == COPIED else b""
         self._send(torch.tensor([step, status, len(manifest)], dtype=torch.int64), self.holder, HEADER_TAG)
         if status != COPIED:

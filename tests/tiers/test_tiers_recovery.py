@@ -77,6 +77,18 @@ class Job:
         return codes
 
     def kill(self, node: int | None = None) -> None:
+        """SIGKILL the launches (of ``node``, or all) and their workers (torchrun starts each worker
+        in a session of its own: killing the launcher's group leaves them running)."""
+        for rank in range(4):
+            if node is None or rank // 2 == node:
+                try:
+                    pid = self.pid(rank)
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:  # still this job's worker (not a reused pid)
+                        mine = self.out.encode() in f.read()
+                    if mine:
+                        os.kill(pid, signal.SIGKILL)
+                except (OSError, ValueError):  # not started, or gone
+                    pass
         for i, p in enumerate(self.procs):
             if node is None or i == node:
                 try:
