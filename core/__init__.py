@@ -6,7 +6,7 @@ Public surface::
     unickpt.load(path, state, strict=True, process_group=None, storage_options=None, options=None) -> LoadStats
     unickpt.Checkpointer(root, keep_last=None, async_save=True, ...)
     unickpt.Shard, unickpt.PerRank, unickpt.RNGState
-    unickpt.SaveOptions, unickpt.LoadOptions
+    unickpt.SaveOptions, unickpt.LoadOptions, unickpt.TierOptions (memory tiers: docs/tiers.md)
 
 Framework plugins use :mod:`unickpt.ext`. The package is laid out by layer (docs/design.md):
 ``state`` -> ``plan`` -> ``saving`` / ``loading`` -> ``format`` / ``storage`` / ``dist``, with
@@ -32,6 +32,7 @@ _EXPORTS = {
     "list_checkpoints": ".checkpointer",
     "SaveOptions": ".options",
     "LoadOptions": ".options",
+    "TierOptions": ".options",
     "SaveHandle": ".saving.request",
     "SaveStats": ".saving.request",
     "LoadStats": ".loading.stats",
@@ -70,7 +71,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
                          SaveFailedError, StateMismatchError, UnickptError, UnsafeObjectError)
     from .format.metadata import FORMAT_VERSION, CheckpointMetadata
     from .loading.stats import LoadStats
-    from .options import LoadOptions, SaveOptions
+    from .options import LoadOptions, SaveOptions, TierOptions
     from .saving.request import SaveHandle, SaveStats
     from .state.leaves import PerRank, Shard
     from .state.rng import RNGState

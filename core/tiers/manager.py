@@ -31,7 +31,7 @@ import uuid
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -292,20 +292,27 @@ class Tiers:
         return self.peer.wait_idle(timeout) if self.peer is not None else True
 
     # -- recovery ----------------------------------------------------------------------------------------
-    def recover(self, state: dict, *, persisted: int | None, only: int | None = None, strict: bool = True,
-                allow_pickle: bool = False, load_options: LoadOptions | None = None) -> RecoveryResult | None:
+    def recover(self, state: dict | Callable[[str], dict], *, persisted: int | None, only: int | None = None,
+                strict: bool = True, allow_pickle: bool = False,
+                load_options: LoadOptions | None = None) -> RecoveryResult | None:
         """Restore the newest memory step every rank has (collective; :mod:`.recovery`), not older than
-        ``persisted``. Returns None (the caller loads from storage) when there is none. After a
-        recovery every copy newer than the restored step is removed (another future)."""
+        ``persisted``. ``state``: the state to load into, or ``state(copy path)`` that builds it for a
+        copy (a plugin's template from the copy's metadata); the result's ``state`` is what was
+        loaded. Returns None (the caller loads from storage) when there is none. After a recovery
+        every copy newer than the restored step is removed (another future)."""
         if not self.memory:
             return None
         assert self.loader is not None
         self.wait()
         opts = (load_options or LoadOptions()).with_(verify=True, redistribute=False)
         loader = self.loader
+        loaded: dict = {}
 
         def load_copy(path: str) -> LoadStats:
-            return loader.load(path, state, strict=strict, allow_pickle=allow_pickle, options=opts)
+            target = state(path) if callable(state) else state
+            stats = loader.load(path, target, strict=strict, allow_pickle=allow_pickle, options=opts)
+            loaded["state"] = target
+            return stats
 
         recovery = Recovery(self.comm, self.placement, self.layout, load_copy)
         result = recovery.run(persisted, only)
@@ -314,6 +321,7 @@ class Tiers:
             self.layout.remove_newer(self.world_size, step)
             self.layout.remove_other_layouts(self.world_size)
         if result is not None:
+            result.state = loaded.get("state")
             with self._lock:
                 self._own_newest = max(self._own_newest, result.step)  # the restored step is committed here
         return result

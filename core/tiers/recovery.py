@@ -104,13 +104,15 @@ def candidates(table: dict[int, dict[int, list[Source]]], world_size: int, persi
 @dataclass
 class RecoveryResult:
     """What a recovery restored on this rank: ``step``, this rank's ``tier``, its :class:`LoadStats`
-    (with ``tier`` and ``bytes_by_tier``), the ``rounds`` it took and the candidates it tried."""
+    (with ``tier`` and ``bytes_by_tier``), the ``rounds`` it took, the candidates it tried, and the
+    ``state`` loaded into."""
 
     step: int
     tier: str
     stats: LoadStats
     rounds: int = 1
     tried: list = field(default_factory=list)
+    state: Any = None  # the state loaded (set by Tiers.recover)
 
 
 class Recovery:
