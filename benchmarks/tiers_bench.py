@@ -21,7 +21,10 @@ Scenarios:
   and 1, ``snapshot="overlap"``: the copy runs during the next forward/backward). Per system:
   ``stall_s`` (median over saves of the slowest rank's blocked time: the ``save`` call, with its
   preemption-flag agreement, plus any wait in ``optimizer.step()``), ``step_time_s`` (median step
-  time without the stall, slowest rank) and ``interference`` = that / ``none``'s - 1.
+  time without the stall, slowest rank) and ``interference`` = that / ``none``'s - 1; and, robust to
+  other users of a shared machine, ``cpu_per_step_s`` (the CPU seconds of a step, all ranks' processes
+  with every unickpt thread, median) and ``cpu_interference`` = that / ``none``'s - 1: on a machine
+  whose cores the training saturates, the CPU a checkpoint takes is what it takes from the steps.
 * ``memory``: each rank's shared memory after the memory blocks (own copies, peer copies, staging
   ring) against its state bytes.
 * ``flag``: the per-step agreement (the preemption flag, with tiers also the memory watermark and
@@ -65,7 +68,7 @@ TRAIN_SYSTEMS = ["none", "persist-async", "memory", "memory-local", "memory-over
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--size-gb", type=float, default=None, help="GPT state size, GB (default 1.5; --quick 0.4)")
+    p.add_argument("--size-gb", type=float, default=None, help="GPT state size, GB (default 0.6; --quick 0.3)")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--quick", action="store_true", help="a smaller state, fewer steps (a few minutes)")
     p.add_argument("--steps", type=int, default=None, help="steps per training block (default 5; --quick 3)")
@@ -79,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--restart-worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    a.size_gb = a.size_gb if a.size_gb is not None else (0.4 if a.quick else 1.5)
+    a.size_gb = a.size_gb if a.size_gb is not None else (0.3 if a.quick else 0.6)
     a.steps = a.steps if a.steps is not None else (3 if a.quick else 5)
     a.rounds = a.rounds if a.rounds is not None else (1 if a.quick else 2)
     a.repeats = a.repeats if a.repeats is not None else (2 if a.quick else 3)
@@ -178,6 +181,7 @@ def w_train_block(cfg: dict, system: str, steps: int, seed: int) -> Any:
     rows = []
     for i in range(steps):
         t0 = time.perf_counter()
+        cpu0 = time.process_time()  # this process's CPU seconds: training, and unickpt's threads
         stall = None
         h = before = None
         if ck is not None:
@@ -192,22 +196,35 @@ def w_train_block(cfg: dict, system: str, steps: int, seed: int) -> Any:
         b.optim.zero_grad(set_to_none=True)
         if before is not None and system == "memory-overlap":
             stall += max(0.0, h.stats.stall_s - before)
-        rows.append((time.perf_counter() - t0 - (stall or 0.0), stall))
+        rows.append((time.perf_counter() - t0 - (stall or 0.0), stall, time.process_time() - cpu0))
     if ck is not None:
         ck.wait()  # the last save's drain and peer copy do not spill into the next block
+        _free_between_blocks(b, ck, system)
     per = b.gather(rows)
     return per if b.rank == 0 else None
+
+
+def _free_between_blocks(b: Any, ck: Any, system: str) -> None:
+    """What one system holds must not stay while the others run (a shared machine's memory): a memory
+    system's copies are measured (``w_memory``) and removed, persistent saves' staging rings freed."""
+    if ck.tiers is not None and ck.tiers.memory:
+        _CK[f"_bytes_{system}"] = dict(ck.tiers.memory_bytes())
+        b.dist.barrier()  # every peer copy landed before any rank removes its directories
+        ck.clear_memory()
+    else:
+        from unickpt.engine import get_engine
+
+        for pool in get_engine().saver.pipeline.pools:  # reallocated by the next persistent save
+            pool.close()
 
 
 def w_memory(cfg: dict) -> dict:
     import save_load
 
     b = save_load._bench(cfg)
-    ck = _ckpt(cfg, "memory")
-    ck.wait()
-    out = dict(ck.tiers.memory_bytes())
+    out = dict(_CK.get("_bytes_memory") or _ckpt(cfg, "memory").tiers.memory_bytes())  # at the end of its last block
     out["state_bytes"] = b.local_bytes[b.rank]
-    out["skipped"] = ck.tiers.skipped
+    out["skipped"] = _ckpt(cfg, "memory").tiers.skipped
     return out
 
 
@@ -447,21 +464,27 @@ def _train(pool: Any, cfg: dict, args: argparse.Namespace, state_bytes: int, log
             for i in range(args.steps):
                 step_s = max(p[i][0] for p in per)
                 stalls = [p[i][1] for p in per if p[i][1] is not None]
-                rows[s].append((step_s, max(stalls) if stalls else None, i == 0))
+                rows[s].append((step_s, max(stalls) if stalls else None, i == 0, sum(p[i][2] for p in per)))
             log(f"round {rnd} {s}: steps {[round(r[0], 2) for r in rows[s][-args.steps:]]}, stalls "
                 f"{[None if r[1] is None else round(r[1], 3) for r in rows[s][-args.steps:]]}; loadavg {os.getloadavg()}")
     base = _med([r[0] for r in rows["none"] if not r[2]])
+    base_cpu = _med([r[3] for r in rows["none"] if not r[2]])
     out = []
     for s in systems:
         body = [r for r in rows[s] if not r[2]]  # the first step of a block warms up
         step_s = _med([r[0] for r in body])
+        cpu_s = _med([r[3] for r in body])
         stalls = [r[1] for r in rows[s] if r[1] is not None]
         out.append({"system": s, "scenario": "train", "world_size": 4, "bytes": state_bytes,
                     "step_time_s": step_s, "stall_s": _med(stalls), "stall_p90_s": _p90(stalls),
                     "interference": None if s == "none" or not base else round(step_s / base - 1, 4),
+                    "cpu_per_step_s": cpu_s,
+                    "cpu_interference": None if s == "none" or not base_cpu else round(cpu_s / base_cpu - 1, 4),
                     "step_samples_s": [round(r[0], 4) for r in rows[s]],
+                    "cpu_samples_s": [round(r[3], 4) for r in rows[s]],
                     "stall_samples_s": [round(x, 4) for x in stalls]})
-        log(f"{s}: step {step_s} s, stall {out[-1]['stall_s']} s, interference {out[-1]['interference']}")
+        log(f"{s}: step {step_s} s, stall {out[-1]['stall_s']} s, interference {out[-1]['interference']}, "
+            f"CPU per step {cpu_s} s (all ranks), CPU interference {out[-1]['cpu_interference']}")
     return out
 
 
@@ -499,6 +522,7 @@ def _targets(records: list[dict]) -> dict:
         r = by.get((s, "train"))
         if r and r.get("interference") is not None:
             t[f"interference[{s}]"] = r["interference"]
+            t[f"cpu_interference[{s}]"] = r["cpu_interference"]
     if mem and mem.get("interference") is not None:
         t["interference_memory_below_5pct"] = mem["interference"] < 0.05
     l0, l1, ld = by.get(("memory", "load")), by.get(("peer", "load")), by.get(("disk", "load"))

@@ -169,6 +169,16 @@ def test_config_block_validation():
     with pytest.raises(ValueError) as e:
         UnickptConfig.from_block([1])
     assert str(e.value).startswith('DeepSpeed config "unickpt": expected a JSON object')
+    # the checkpoint tiers' keys (docs/tiers.md)
+    cfg = UnickptConfig.from_block({"enabled": True, "memory_every": 2, "save_dir": "/ckpt", "signals": ["SIGUSR1"]})
+    assert cfg.tiers_enabled and cfg.tier_options().validated().memory_every == 2
+    with pytest.raises(ValueError, match='need "save_dir"'):
+        UnickptConfig.from_block({"enabled": True, "memory_every": 1})
+    with pytest.raises(ValueError) as e:
+        UnickptConfig.from_block({"enabled": True, "memory_every": 0, "save_dir": "/ckpt"})
+    assert str(e.value) == 'DeepSpeed config "unickpt.memory_every": expected a positive integer or null, got int 0'
+    with pytest.raises(ValueError, match="signals must be names"):
+        UnickptConfig.from_block({"enabled": True, "persist_every": 5, "save_dir": "/ckpt", "signals": ["SIGKILL"]})
 
 
 def test_misspelled_block_name_is_warned_about(caplog):
