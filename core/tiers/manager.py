@@ -219,7 +219,7 @@ class Tiers:
         if newest:
             return dir_bytes(self.layout.step_dir("own", self.rank, self.world_size, newest[-1]))
         if self._first_bytes is None:
-            from ..state.flatten import flatten
+            from ..state.flat import flatten
 
             flat = flatten(state, for_load=False)
             self._first_bytes = sum(leaf.local.numel() * leaf.local.element_size()
