@@ -35,6 +35,9 @@ import time
 import pytest
 import torch
 
+from unickpt.tiers.layout import SPARE_DIR
+from unickpt.tiers.manager import MAX_SPARES
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "tier_worker.py")
 TRAIN_STEPS = 5  # steps 0..4: memory copies of every step, persisted steps 0 and 3
@@ -174,6 +177,12 @@ def _recover(root: str, mem: list[str], out: str, inspect=None) -> list[dict]:
             shutil.rmtree(d, ignore_errors=True)
 
 
+def _copies(rank_dir: str) -> list[str]:
+    """The copies (``step_<N>``) in a rank's memory directory, without its ``.spare`` directory (the
+    data files that in-place staging recycles: docs/tiers.md)."""
+    return sorted(n for n in os.listdir(rank_dir) if n != SPARE_DIR)
+
+
 def _run_dir(mem_dir: str) -> str:
     (run,) = glob.glob(os.path.join(mem_dir, "run-*"))
     return run
@@ -186,8 +195,10 @@ def test_training_kept_bounded_memory(crashed):
         used = r["memory_bytes"]
         assert 0 < used["own"] and 0 < used["peer"]
     node0 = _run_dir(crashed["pristine"]["mem"][0])
-    own = sorted(os.listdir(os.path.join(node0, "own", "rank_0_of_4")))
+    own = _copies(os.path.join(node0, "own", "rank_0_of_4"))
     assert f"step_{TRAIN_STEPS - 1}" in own and len(own) <= 3, own  # newest, the watermark, one in flight
+    spares = os.listdir(os.path.join(node0, "own", "rank_0_of_4", SPARE_DIR))  # removed copies' data files
+    assert len(spares) <= MAX_SPARES, spares
     assert sorted(os.listdir(os.path.join(node0, "peer"))) == ["rank_2_of_4", "rank_3_of_4"]
 
 
@@ -211,7 +222,7 @@ def test_node_loss_restores_from_peer_memory(crashed):
     def inspect(mem):  # the copies received from node 0 are node 1's tier 0 copies now
         run1 = _run_dir(mem[1])
         for r in (2, 3):
-            restored[r] = os.listdir(os.path.join(run1, "own", f"rank_{r}_of_4"))
+            restored[r] = _copies(os.path.join(run1, "own", f"rank_{r}_of_4"))
 
     results = _recover(root, mem, out, inspect)
     assert restored == {2: [f"step_{TRAIN_STEPS - 1}"], 3: [f"step_{TRAIN_STEPS - 1}"]}
