@@ -18,6 +18,7 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VPY) examples/run_demo.py
+	OMP_NUM_THREADS=1 $(VPY) examples/tiers_demo.py
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q tests

@@ -6,7 +6,7 @@ Public surface::
     unickpt.load(path, state, strict=True, process_group=None, storage_options=None, options=None) -> LoadStats
     unickpt.Checkpointer(root, keep_last=None, async_save=True, ...)
     unickpt.Shard, unickpt.PerRank, unickpt.RNGState
-    unickpt.SaveOptions, unickpt.LoadOptions
+    unickpt.SaveOptions, unickpt.LoadOptions, unickpt.TierOptions (memory tiers: docs/tiers.md)
     unickpt.Mapping, unickpt.Rename, unickpt.Split, unickpt.Fuse, unickpt.Permute   (cross-framework loads)
 
 Framework plugins use :mod:`unickpt.ext`. The package is laid out by layer (docs/design.md):
@@ -33,6 +33,7 @@ _EXPORTS = {
     "list_checkpoints": ".checkpointer",
     "SaveOptions": ".options",
     "LoadOptions": ".options",
+    "TierOptions": ".options",
     "SaveHandle": ".saving.request",
     "SaveStats": ".saving.request",
     "LoadStats": ".loading.stats",
@@ -76,7 +77,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
                          SaveFailedError, StateMismatchError, UnickptError, UnsafeObjectError)
     from .format.metadata import FORMAT_VERSION, CheckpointMetadata
     from .loading.stats import LoadStats
-    from .options import LoadOptions, SaveOptions
+    from .options import LoadOptions, SaveOptions, TierOptions
     from .plan.mapping import Fuse, Mapping, Permute, Rename, Split
     from .saving.request import SaveHandle, SaveStats
     from .state.leaves import PerRank, Shard

@@ -1,19 +1,26 @@
-"""``Checkpointer``: numbered checkpoints of one run under a root, ``latest``, retention, async saves.
+"""``Checkpointer``: numbered checkpoints of one run under a root, ``latest``, retention, async saves,
+and the checkpoint tiers (memory, a peer's memory, storage) with a save on a preemption notice.
 
 The directory rules (``step_<N>``, ``latest``, retention) are :class:`~unickpt.lifecycle.root.CheckpointRoot`'s;
-saves and loads go through the group's engine with this checkpointer's options.
+saves and loads go through the group's engine with this checkpointer's options; the tiers are
+:class:`~unickpt.tiers.manager.Tiers` (docs/tiers.md).
 """
 from __future__ import annotations
 
+import logging
 import os
+import time
 from typing import Any, Callable
 
 from .engine import SaveHandle, get_engine
 from .lifecycle.directory import is_committed
 from .lifecycle.root import CheckpointRoot, list_checkpoints
-from .options import LoadOptions, SaveOptions
+from .loading.stats import LoadStats
+from .options import LoadOptions, SaveOptions, TierOptions, env
 
 __all__ = ["Checkpointer", "list_checkpoints"]
+
+log = logging.getLogger("unickpt")
 
 
 class Checkpointer:
@@ -42,15 +49,29 @@ class Checkpointer:
             retention are done (for a framework's own rotation, say). Its errors are logged.
         framework: recorded in each checkpoint's ``metadata.json`` (a plugin's name: which layout
             reads it in a cross-framework load, docs/cross-framework.md).
+        memory_every, persist_every: the checkpoint tiers (docs/tiers.md): a memory save (this rank's
+            state in host shared memory, tier 0, copied to a rank on another node, tier 1) every
+            ``memory_every`` steps and a persistent save (tier 2, under ``root``) every
+            ``persist_every`` steps. With either set, call :meth:`save` at every step: it saves what
+            the schedule says, and persistently on a preemption notice (a ``SIGTERM`` or ``SIGUSR1``
+            to any rank; :attr:`preempted`); :meth:`load` restores from the nearest tier. Shorthands
+            for the fields of ``tiers``.
+        tiers: the other tier options (:class:`~unickpt.TierOptions`: memory directory, steps kept,
+            memory bound, node id, signals, peer copies).
+
+    Construction is collective over ``process_group`` (with tiers it creates two private gloo groups).
     """
 
     def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None, async_save: bool = True,
                  process_group: Any = None, storage_options: dict | None = None, allow_pickle: bool = False,
                  local_root: str | os.PathLike | None = None, save_options: SaveOptions | None = None,
                  load_options: LoadOptions | None = None, on_commit: Callable[[int], None] | None = None,
-                 framework: str | None = None):
+                 framework: str | None = None, memory_every: int | None = None,
+                 persist_every: int | None = None, tiers: TierOptions | None = None):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        changes = {k: v for k, v in (("memory_every", memory_every), ("persist_every", persist_every)) if v is not None}
+        self.tier_options = (tiers or TierOptions()).with_(**changes)
         self.root = os.fspath(root)
         self.keep_last = keep_last
         self.async_save = async_save
@@ -64,24 +85,83 @@ class Checkpointer:
         self._local = None if local_root is None else CheckpointRoot(self.local_root)
         self._engine = get_engine(process_group)
         self._closed = False
+        self.preempted = False  # a preemption notice made this run save persistently: stop training
+        self.last_load_stats: LoadStats | None = None
+        self._tiers = None
+        if self.tier_options.enabled:
+            from .tiers.manager import Tiers
+
+            self._tiers = Tiers(self.root, self.tier_options, process_group=process_group, save_options=save_options,
+                                timeout_s=env().collective_timeout_s, local_world_size=env().local_world_size)
 
     def path_for(self, step: int) -> str:
         return self._root.path(int(step))
 
-    def _tiers(self) -> list[CheckpointRoot]:
+    def _roots(self) -> list[CheckpointRoot]:
         """The roots of each tier, remote first."""
         return [self._root] + ([self._local] if self._local is not None else [])
 
-    def save(self, step: int, state: dict, *, async_save: bool | None = None) -> SaveHandle:
+    @property
+    def tiers(self) -> Any:
+        """The :class:`~unickpt.tiers.manager.Tiers` of this checkpointer, or None without tiers."""
+        return self._tiers
+
+    def save(self, step: int, state: dict, *, async_save: bool | None = None,
+             persist: bool | None = None) -> SaveHandle | None:
         """Save ``state`` as ``step``. Returns when snapshotted (async) or committed (sync).
 
+        Without tiers: a persistent save of ``step``. With tiers (``memory_every`` / ``persist_every``):
+        call it at every step (collective: **1 small all-reduce** per call, the preemption flag and the
+        memory watermark); it makes a memory save when ``step`` is a multiple of ``memory_every``, a
+        persistent one when it is a multiple of ``persist_every`` or ``persist=True``, and, when any
+        rank has received a preemption notice, a synchronous persistent save of ``step`` on every rank
+        (then :attr:`preempted` is True: leave the training loop). Returns the persistent save's
+        handle, else the memory save's, else None (nothing due at this step).
+
         An earlier async save still in flight keeps draining; this one stages into the other
-        staging pool. Raises CheckpointExistsError if ``step`` is already committed.
+        staging pool. Raises CheckpointExistsError if ``step`` is already committed (a persistent save).
         """
         if self._closed:
             raise RuntimeError("Checkpointer is closed")
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        if self._tiers is None:
+            return self._persist(step, state, async_save)
+        tiers, opts = self._tiers, self.tier_options
+        pending = tiers.start_agreement()  # in flight during the memory snapshot
+        handle = None
+        if tiers.due(step):
+            handle = tiers.memory_save(step, state, allow_pickle=self.allow_pickle)
+        agreement = tiers.finish_agreement(pending)
+        if agreement.preempt:
+            return self._preempt(step, state, agreement) or handle
+        if persist or (persist is None and opts.persist_every is not None and step % opts.persist_every == 0):
+            handle = self._persist(step, state, async_save)
+        return handle
+
+    def _preempt(self, step: int, state: dict, agreement: Any) -> SaveHandle | None:
+        """Every rank at the same step: a synchronous persistent save of ``step`` (unless committed)."""
+        tiers = self._tiers
+        notice = tiers.notice
+        t0 = time.time()
+        if self._engine.rank == 0:
+            log.warning("unickpt: preemption notice (%s): saving step %d persistently on every rank", notice.received
+                        or "on another rank", step)
+        handle = None
+        committed = self._engine.broadcast(is_committed(self._root.storage, self.path_for(step))
+                                           if self._engine.rank == 0 else None)
+        if not committed:
+            handle = self._persist(step, state, False)
+        self._engine.wait()
+        self.preempted = True
+        self.preempted_step = int(step)
+        self.preempt_save_s = time.time() - t0
+        since = f", {time.time() - notice.received_at:.2f} s after the notice" if notice.received_at else ""
+        log.warning("unickpt: step %d saved persistently for the preemption in %.2f s%s", step, self.preempt_save_s, since)
+        return handle
+
+    def _persist(self, step: int, state: dict, async_save: bool | None) -> SaveHandle:
+        """A persistent save of ``step`` (the path of a checkpointer without tiers)."""
         on_commit = lambda s=int(step): self._after_commit(s)  # noqa: E731
         mode = self.async_save if async_save is None else async_save
         if self._local is None:
@@ -98,7 +178,7 @@ class Checkpointer:
     def _after_commit(self, step: int) -> None:
         """Group rank 0, commit thread, after ``step`` committed: ``latest`` and retention in every tier
         (:meth:`~unickpt.lifecycle.root.CheckpointRoot.retain`), then ``on_commit(step)``."""
-        for root in self._tiers():
+        for root in self._roots():
             root.retain(self.keep_last, step, self._engine.in_flight)
         if self.on_commit is not None:
             self.on_commit(step)
@@ -106,18 +186,37 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         """The newest committed step under ``root`` (and ``local_root``), by scanning for
         ``metadata.json``, or None."""
-        committed = [s for root in self._tiers() for s in root.committed_steps()]
+        committed = [s for root in self._roots() for s in root.committed_steps()]
         return max(committed) if committed else None
 
     def load(self, state: dict, step: int | None = None, *, strict: bool = True,
              allow_pickle: bool | None = None) -> int | None:
         """Load ``step`` (default: the latest committed, as seen by group rank 0) into ``state``.
 
-        Returns the step loaded, or None (state untouched) when there is no committed checkpoint.
-        Waits for this process's pending saves first. Raises as :func:`unickpt.load`.
+        With memory tiers, the newest step that every rank can restore from memory (its node's, or a
+        peer node's, sent over the group) is loaded when it is at least as new as the newest
+        persisted one; every byte is checked against its checksum, and a corrupt or partial copy
+        falls back to the next copy or tier with a warning (:mod:`unickpt.tiers.recovery`). Else the
+        persisted step is loaded from storage (resharded if the world size changed).
+        :attr:`last_load_stats` says which tier this rank's bytes came from.
+
+        Returns the step loaded, or None (state untouched) when there is no checkpoint. Waits for this
+        process's pending saves first. Raises as :func:`unickpt.load`.
         """
         self._engine.wait()
-        if step is None:
+        ap = self.allow_pickle if allow_pickle is None else allow_pickle
+        if self._tiers is not None and self._tiers.memory:
+            persisted = self._engine.broadcast(self.latest_step() if self._engine.rank == 0 else None)
+            result = self._tiers.recover(state, persisted=persisted, only=step, strict=strict, allow_pickle=ap,
+                                         load_options=self.load_options)
+            if result is not None:
+                self.last_load_stats = result.stats
+                return result.step
+            if step is None:
+                step = persisted
+            if step is None:
+                return None
+        elif step is None:
             step = self._engine.broadcast(self.latest_step() if self._engine.rank == 0 else None)
             if step is None:
                 return None
@@ -127,20 +226,39 @@ class Checkpointer:
             use_local = is_committed(self._local.storage, local) if self._engine.rank == 0 else None
             if self._engine.broadcast(use_local):
                 path, options = local, None
-        self._engine.load(path, state, strict=strict, storage_options=options,
-                          allow_pickle=self.allow_pickle if allow_pickle is None else allow_pickle,
-                          options=self.load_options)
+        stats = self._engine.load(path, state, strict=strict, storage_options=options, allow_pickle=ap,
+                                  options=self.load_options)
+        stats.tier = "storage"
+        stats.bytes_by_tier = {"storage": stats.bytes_read + stats.bytes_received}
+        self.last_load_stats = stats
+        if self._tiers is not None:
+            self._tiers.forget_newer(int(step))
         return int(step)
 
     def wait(self) -> None:
-        """Block until every pending save has committed; raise the first failure."""
+        """Block until every pending save has committed (and, with tiers, every memory save and peer
+        copy is done); raise the first failure of a persistent save."""
+        if self._tiers is not None:
+            self._tiers.wait()
         self._engine.wait()
 
     def close(self) -> None:
-        """Wait for pending saves. The engine (shared per process group) stays usable."""
+        """Wait for pending saves (and memory saves and peer copies; then stop the tiers' threads and
+        put the signal handlers back). The engine (shared per process group) stays usable; the memory
+        copies stay for a restart (:meth:`clear_memory` removes them)."""
         if not self._closed:
             self._closed = True
-            self._engine.wait()
+            try:
+                self._engine.wait()
+            finally:
+                if self._tiers is not None:
+                    self._tiers.close()
+
+    def clear_memory(self) -> None:
+        """Remove this rank's memory copies and the peer copies it holds (no collective; e.g. at the
+        end of a run that will not be restarted)."""
+        if self._tiers is not None:
+            self._tiers.clear_memory()
 
     def __enter__(self) -> "Checkpointer":
         return self

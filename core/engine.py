@@ -142,6 +142,12 @@ def _engines_of(group: Any) -> list[tuple[Any, Engine]]:
 def finish_saves(group: Any = None) -> BaseException | None:
     """Wait for the in-flight saves of the engines on ``group`` (None: every engine) and close those
     whose private groups are about to go; returns the first save error not reported yet (None if none)."""
+    import torch.distributed as dist
+
+    from .tiers.manager import finish_all
+
+    if group is None or group is dist.group.WORLD:
+        finish_all()  # the checkpoint tiers' threads and private groups go first
     first: BaseException | None = None
     for key, engine in _engines_of(group):
         try:

@@ -18,6 +18,9 @@ A plugin imports :mod:`unickpt` (the public names) and this module, nothing else
   dtype names :func:`dtype_to_str`, :func:`str_to_dtype`; chunk geometry :class:`Box`,
   :class:`FlatRange`, :func:`chunk_pieces`.
 - **DCP**: :func:`is_dcp_checkpoint`, :func:`restore_empty_optim_state`.
+- **checkpoint tiers** (docs/tiers.md): :func:`memory_tiers` gives a :class:`TiersHandle`: a memory
+  save every ``memory_every`` steps with its peer copy, the per-step preemption agreement, and
+  recovery from memory before a plugin's own storage load.
 - **plugin plumbing**: :func:`flag` (a boolean environment switch), :func:`lazy_getattr` (cheap
   package imports), :class:`Source` (a checkpoint kind for ``unickpt import``).
 - **cross-framework loads** (docs/cross-framework.md): :class:`Layout` (how a framework names training
@@ -45,7 +48,7 @@ __all__ = ["engine", "default_engine", "new_engine", "load_solo", "EngineHandle"
            "dtype_to_str", "str_to_dtype", "Box", "FlatRange", "chunk_pieces", "is_dcp_checkpoint",
            "restore_empty_optim_state", "flag", "lazy_getattr", "Source", "Layout", "SourceNames", "TargetNames",
            "PARAM", "MASTER", "source_layout", "locate_checkpoint", "registered_layouts", "StoredParams",
-           "Conversion", "ExportPlan", "ImportPlan", "materialize", "box_of", "dict_resolver", "Resolved", "Piece"]
+           "Conversion", "ExportPlan", "ImportPlan", "materialize", "box_of", "dict_resolver", "Resolved", "Piece", "memory_tiers", "TiersHandle", "TierOptions"]
 
 _EXPORTS = {
     "THIS_PROCESS": "unickpt.dist.comm",
@@ -93,6 +96,7 @@ _EXPORTS = {
     "materialize": "unickpt.tools.convert",
     "box_of": "unickpt.tools.convert",
     "dict_resolver": "unickpt.tools.convert",
+    "TierOptions": "unickpt.options",
 }
 __getattr__ = lazy_getattr(__name__, _EXPORTS)
 
@@ -219,6 +223,84 @@ def remove_checkpoint_dir(storage: Any, path: str) -> None:
     remove_dir(storage, path)
 
 
+class TiersHandle:
+    """The checkpoint tiers of a plugin (:func:`memory_tiers`; docs/tiers.md).
+
+    Attributes:
+        rank, world_size: this process in the group.
+        preempted: True once :meth:`step` saw a preemption notice (the plugin then saves persistently).
+    """
+
+    def __init__(self, tiers: Any):
+        self._tiers = tiers
+        self.rank, self.world_size = tiers.rank, tiers.world_size
+        self.preempted = False
+
+    @property
+    def options(self) -> Any:
+        """The validated :class:`~unickpt.TierOptions`."""
+        return self._tiers.options
+
+    @property
+    def notice(self) -> Any:
+        """This process's preemption notice (``.received``: the signal's name; ``.notify()``)."""
+        return self._tiers.notice
+
+    def step(self, step: int, state: Any, *, allow_pickle: bool = False) -> bool:
+        """Call at every training step, on every rank (collective: one small all-reduce). Makes the
+        memory save of ``step`` when it is due (``state``: the state dict, or a function returning it,
+        called only then), and returns whether any rank has received a preemption notice (then save
+        persistently, on every rank, and stop)."""
+        tiers = self._tiers
+        pending = tiers.start_agreement()
+        if tiers.due(step):
+            tiers.memory_save(step, state() if callable(state) else state, allow_pickle=allow_pickle)
+        preempt = tiers.finish_agreement(pending).preempt
+        self.preempted = self.preempted or preempt
+        return preempt
+
+    def recover(self, state: Any, *, persisted: int | None = None, step: int | None = None, strict: bool = True,
+                allow_pickle: bool = False) -> Any:
+        """Restore from memory (collective): the newest step that every rank has in memory (its node's or
+        a peer node's) and that is at least as new as ``persisted`` (the plugin's newest persisted step;
+        ``step``: exactly that one). ``state``: the state to load into, or ``state(copy path)`` building
+        it. Returns ``(step, state loaded, LoadStats)`` or None: then load from storage."""
+        result = self._tiers.recover(state, persisted=persisted, only=step, strict=strict, allow_pickle=allow_pickle)
+        return None if result is None else (result.step, result.state, result.stats)
+
+    def forget_newer(self, step: int) -> None:
+        """After loading ``step`` from storage: drop this node's memory copies of later steps."""
+        self._tiers.forget_newer(step)
+
+    def memory_bytes(self) -> dict:
+        """Bytes this rank's tiers hold: ``own``, ``peer``, ``staging``."""
+        return self._tiers.memory_bytes()
+
+    def wait(self) -> None:
+        """Wait for the memory saves and peer copies in flight."""
+        self._tiers.wait()
+
+    def close(self) -> None:
+        """Wait, stop the threads, put the signal handlers back, destroy the private groups."""
+        self._tiers.close()
+
+    def clear_memory(self) -> None:
+        """Remove this rank's memory copies and those it holds for peers."""
+        self._tiers.clear_memory()
+
+
+def memory_tiers(root: str, options: Any = None, *, process_group: Any = None, save_options: Any = None) -> TiersHandle:
+    """The checkpoint tiers of the run whose persistent checkpoints are under ``root`` (its memory
+    directory is named after it), with ``options`` (a :class:`~unickpt.TierOptions`). Collective over
+    ``process_group`` (creates two private gloo groups)."""
+    from .options import TierOptions, env
+    from .tiers.manager import Tiers
+
+    opts = (options or TierOptions()).validated()
+    return TiersHandle(Tiers(str(root), opts, process_group=process_group, save_options=save_options,
+                             timeout_s=env().collective_timeout_s, local_world_size=env().local_world_size))
+
+
 def flag(name: str, default: bool) -> bool:
     """A plugin's boolean switch from the environment: unset or empty gives ``default``; ``0``,
     ``false``, ``no``, ``off`` (any case) give False; anything else True."""
@@ -236,6 +318,7 @@ if TYPE_CHECKING:
     from .format.layout import METADATA_FILE, WRITER_FILE
     from .format.metadata import CheckpointMetadata
     from .geometry import Box, FlatRange, chunk_pieces
+    from .options import TierOptions
     from .lifecycle.directory import (is_committed, is_incomplete_checkpoint, pid_alive, writer_alive,
                                       writer_elsewhere_on_host)
     from .lifecycle.root import LATEST_FILE, CheckpointRoot, step_name

@@ -222,8 +222,10 @@ def spec_from_json(d: dict) -> ChunkSpec:
     return Box(tuple(int(x) for x in d["offsets"]), tuple(int(x) for x in d["lengths"]))
 
 
-def check_exact_cover(fqn: str, global_shape: Sequence[int], specs: Sequence[ChunkSpec]) -> None:
-    """Raise ValueError unless ``specs`` tile the global tensor exactly (no gap, no overlap)."""
+def check_exact_cover(fqn: str, global_shape: Sequence[int], specs: Sequence[ChunkSpec], *,
+                      partial: bool = False) -> None:
+    """Raise ValueError unless ``specs`` tile the global tensor exactly (no gap, no overlap); with
+    ``partial`` a gap is allowed (a part of a job-wide state: one rank's shards)."""
     shape = tuple(global_shape)
     total = math.prod(shape)
     for spec in specs:
@@ -243,7 +245,7 @@ def check_exact_cover(fqn: str, global_shape: Sequence[int], specs: Sequence[Chu
                 break
             if intersect(a, b) is not None:
                 raise ValueError(f"{fqn!r}: stored chunks overlap ({a} and {b}); replicas must have identical boxes")
-    if covered != total:
+    if covered != total and not partial:
         raise ValueError(
             f"{fqn!r}: the ranks' shards cover {covered} of {total} elements of shape {list(shape)}; "
             "every element must be held by at least one rank"

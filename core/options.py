@@ -15,7 +15,10 @@ variable                        default of                                 defau
 ``UNICKPT_READ_THREADS``        :attr:`LoadOptions.read_threads`           4
 ``UNICKPT_COLLECTIVE_TIMEOUT_S`` :attr:`Env.collective_timeout_s`          1800
 ``UNICKPT_RETRY_TOTAL_S``       :attr:`Env.retry_total_s`                  120
+``UNICKPT_MEMORY_DIR``          :attr:`TierOptions.memory_dir`             ``/dev/shm/unickpt``
+``UNICKPT_NODE_ID``             :attr:`TierOptions.node_id`                host name (``:GROUP_RANK``)
 ``LOCAL_WORLD_SIZE``            ranks per host (set by ``torchrun``)       the group's world size
+``GROUP_RANK``                  the node's rank (set by ``torchrun``)      none
 ==============================  =========================================  =========================
 
 Imports neither torch nor fsspec (the startup hook and the writer process import it).
@@ -27,7 +30,9 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-__all__ = ["SaveOptions", "LoadOptions", "Env", "env", "check_options"]
+__all__ = ["SaveOptions", "LoadOptions", "TierOptions", "Env", "env", "check_options", "DEFAULT_MEMORY_DIR"]
+
+DEFAULT_MEMORY_DIR = "/dev/shm/unickpt"  # host shared memory: survives the process, not the node
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,9 @@ class Env:
     collective_timeout_s: float = 1800.0
     retry_total_s: float = 120.0
     local_world_size: int | None = None
+    memory_dir: str | None = None
+    node_id: str | None = None
+    group_rank: str | None = None
 
     @classmethod
     def read(cls, environ: Any = None) -> "Env":
@@ -65,7 +73,10 @@ class Env:
                    read_threads=number("UNICKPT_READ_THREADS", int, 4),
                    collective_timeout_s=number("UNICKPT_COLLECTIVE_TIMEOUT_S", float, 1800.0),
                    retry_total_s=number("UNICKPT_RETRY_TOTAL_S", float, 120.0),
-                   local_world_size=number("LOCAL_WORLD_SIZE", int, None))
+                   local_world_size=number("LOCAL_WORLD_SIZE", int, None),
+                   memory_dir=e.get("UNICKPT_MEMORY_DIR", "").strip() or None,
+                   node_id=e.get("UNICKPT_NODE_ID", "").strip() or None,
+                   group_rank=e.get("GROUP_RANK", "").strip() or None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,7 +108,7 @@ def _check_types(opts: Any, kinds: dict[str, tuple]) -> None:
 def _replaced(opts: Any, kind: str, changes: dict) -> Any:
     unknown = sorted(set(changes) - {f.name for f in fields(opts)})
     if unknown:
-        what = "save" if kind == "SaveOptions" else "load"
+        what = {"SaveOptions": "save", "LoadOptions": "load"}.get(kind, "tier")
         raise ValueError(f"unknown {what} option(s) {unknown}; see unickpt.{kind}")
     return replace(opts, **changes).validated()
 
@@ -142,6 +153,17 @@ class SaveOptions:
             layout, ``"always"`` every byte on every save (a debug option), ``"off"`` never.
             Different copies raise ReplicaMismatchError on every rank. Default:
             ``UNICKPT_CHECK_REPLICAS`` or ``"first"``.
+        partial: the state is a part of a job-wide state (a memory-tier copy of one rank's shards,
+            saved by that rank alone: :mod:`unickpt.tiers`): tensors need not be covered entirely
+            (``layout.partial`` in ``metadata.json``); such a checkpoint loads only into the shards
+            it holds.
+        in_place: stage straight into the data file (local storage on a tmpfs, such as the memory
+            tiers in /dev/shm): the staging ring is the rank's one data file, mapped, so the copy
+            of the snapshot is the write and the drain only checksums (no second copy, no separate
+            ring). The value is a directory of spare files of the same file system: a save takes one
+            (``rename``, recycling its memory pages) when it holds one that nothing else links, else
+            it creates the file. Used only where a rank's data fit one file (``segment_bytes``) and
+            with ``writer="thread"``; other saves stage as usual. None: off.
 
     Options that shape the plan or the commit (:meth:`plan_key`) must be equal on every rank of a
     save (it raises ValueError otherwise).
@@ -160,6 +182,8 @@ class SaveOptions:
     background_nice: int = 0
     write_block: int = 16 << 20
     check_replicas: str | None = None
+    partial: bool = False
+    in_place: str | None = None
 
     def with_(self, **changes: Any) -> "SaveOptions":
         """A validated copy with ``changes``. Raises ValueError for unknown fields or bad values."""
@@ -172,7 +196,8 @@ class SaveOptions:
                             "flat_ranges": (str,), "snapshot": (str,), "writer": (str,), "direct_io": (bool,),
                             "overlap_drain": (bool,), "upload_to": (str, type(None)),
                             "upload_options": (dict, type(None)), "background_nice": (int,), "write_block": (int,),
-                            "check_replicas": (str, type(None))})
+                            "check_replicas": (str, type(None)), "partial": (bool,),
+                            "in_place": (str, type(None))})
         opts = self
         if opts.pool_bytes is None and env().pool_bytes is not None:
             opts = replace(opts, pool_bytes=env().pool_bytes)
@@ -195,7 +220,7 @@ class SaveOptions:
 
     def plan_key(self) -> tuple:
         """The options every rank must share (they shape the plan or the commit)."""
-        return (self.flat_ranges, self.segment_bytes, self.upload_to, self.snapshot, self.check_replicas)
+        return (self.flat_ranges, self.segment_bytes, self.upload_to, self.snapshot, self.check_replicas, self.partial)
 
 
 @dataclass(frozen=True)
@@ -238,4 +263,88 @@ class LoadOptions:
             raise ValueError(f"read_buffer_bytes must be positive, got {opts.read_buffer_bytes}")
         if opts.read_threads < 1:
             raise ValueError(f"read_threads must be at least 1, got {opts.read_threads}")
+        return opts
+
+
+SIGNAL_NAMES = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
+
+
+@dataclass(frozen=True)
+class TierOptions:
+    """The checkpoint tiers of a :class:`~unickpt.Checkpointer` (docs/tiers.md): tier 0, this rank's
+    newest steps in host shared memory; tier 1, a copy of them in the shared memory of a rank on
+    another node; tier 2, the persistent checkpoints under the root. With tiers, ``Checkpointer.save``
+    is called every step and decides what to save (:mod:`unickpt.tiers`).
+
+    Attributes:
+        memory_every: a memory save (tiers 0 and 1) every this many steps (steps divisible by it);
+            None: no memory tiers.
+        persist_every: a persistent save every this many steps; None: only when asked
+            (``save(..., persist=True)``) or on a preemption notice.
+        peer: copy each memory save to a rank on another node (tier 1; needs two nodes or more).
+        peer_every: copy every this many-th memory save to the peer (1: every one).
+        memory_dir: the base directory of the memory tiers on each node (a tmpfs such as
+            ``/dev/shm``; each run gets a subdirectory named after its root). Default
+            ``UNICKPT_MEMORY_DIR`` or ``/dev/shm/unickpt``.
+        memory_keep: committed steps kept per memory tier and rank (1 or 2): each new memory
+            save replaces the oldest; the newest step that every rank can restore is kept too while
+            it is older (so a rank that is a step ahead never deletes the job's last common step).
+        memory_limit_bytes: bound of the shared memory this rank's tiers hold (its own copies and
+            the copies it holds for peers), bytes; a memory save or peer copy that would exceed it
+            is skipped (with a warning). None: no bound beyond the slots (``memory_keep``).
+        node_id: this process's node, the failure domain of tier 1 (peers are on other nodes).
+            Default ``UNICKPT_NODE_ID``, else the host name, with ``:<GROUP_RANK>`` when the
+            launcher (``torchrun``) sets ``GROUP_RANK``.
+        signals: names of the signals that announce a preemption (``"SIGTERM"``, ``"SIGUSR1"``,
+            ...): one to any rank makes every rank save the current step persistently at its next
+            ``save`` call (the flag is agreed across ranks). ``()``: no handlers.
+    """
+
+    memory_every: int | None = None
+    persist_every: int | None = None
+    peer: bool = True
+    peer_every: int = 1
+    memory_dir: str | None = None
+    memory_keep: int = 1
+    memory_limit_bytes: int | None = None
+    node_id: str | None = None
+    signals: tuple = ("SIGTERM", "SIGUSR1")
+
+    def with_(self, **changes: Any) -> "TierOptions":
+        """A validated copy with ``changes``. Raises ValueError for unknown fields or bad values."""
+        return _replaced(self, "TierOptions", changes)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether ``Checkpointer.save`` follows the tier schedule (a memory or persistent cadence is set)."""
+        return self.memory_every is not None or self.persist_every is not None
+
+    def validated(self) -> "TierOptions":
+        """This, with ``memory_dir`` and ``node_id`` from the environment where None; raises ValueError
+        naming the field for a bad value (TypeError naming the field for a value of the wrong type)."""
+        _check_types(self, {"memory_every": (int, type(None)), "persist_every": (int, type(None)), "peer": (bool,),
+                            "peer_every": (int,), "memory_dir": (str, type(None)), "memory_keep": (int,),
+                            "memory_limit_bytes": (int, type(None)), "node_id": (str, type(None)),
+                            "signals": (tuple, list)})
+        e = env()
+        opts = replace(self, memory_dir=self.memory_dir or e.memory_dir or DEFAULT_MEMORY_DIR,
+                       signals=tuple(self.signals))
+        if opts.node_id is None:
+            import socket
+
+            host = socket.gethostname()
+            opts = replace(opts, node_id=e.node_id or (f"{host}:{e.group_rank}" if e.group_rank else host))
+        for name in ("memory_every", "persist_every"):
+            value = getattr(opts, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not isinstance(opts.peer_every, int) or opts.peer_every < 1:
+            raise ValueError(f"peer_every must be a positive integer, got {opts.peer_every!r}")
+        if opts.memory_keep not in (1, 2):
+            raise ValueError(f"memory_keep must be 1 or 2, got {opts.memory_keep!r}")
+        if opts.memory_limit_bytes is not None and opts.memory_limit_bytes < 1:
+            raise ValueError(f"memory_limit_bytes must be positive or None, got {opts.memory_limit_bytes!r}")
+        bad = [s for s in opts.signals if s not in SIGNAL_NAMES]
+        if bad:
+            raise ValueError(f"signals must be names among {list(SIGNAL_NAMES)}, got {bad}")
         return opts

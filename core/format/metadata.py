@@ -167,7 +167,7 @@ class CheckpointMetadata:
                 if c.byte_offset < 0 or c.byte_length != c.spec.numel * itemsize:
                     raise ValueError(f"{fqn!r}: chunk {c.spec} at {c.file}@{c.byte_offset} has byte_length "
                                      f"{c.byte_length}, expected {c.spec.numel * itemsize} at a non-negative offset")
-            check_exact_cover(fqn, shape, [c.spec for c in chunks])
+            check_exact_cover(fqn, shape, [c.spec for c in chunks], partial=bool(doc.get("layout", {}).get("partial")))
             tensors[fqn] = TensorMeta(t["dtype"], shape, chunks)
         for rel in doc.get("per_rank", {}).get("files", []):
             if rel is not None:

@@ -1,9 +1,11 @@
 """What a load reports: :class:`LoadStats` (bytes read, received and sent, requests, seconds per stage)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["LoadStats"]
+__all__ = ["LoadStats", "TIERS"]
+
+TIERS = ("memory", "peer", "storage")  # where a load's bytes came from (docs/tiers.md)
 
 
 @dataclass
@@ -26,6 +28,12 @@ class LoadStats:
     total_s: float = 0.0
     conversion: dict | None = None  # a cross-framework load: what moved and what stayed (loading.convert.View)
     conversion_values: dict | None = None  # the checkpoint's canonical plain values (step, scheduler, ...)
+    # the checkpoint tiers (Checkpointer.load with tiers; unickpt.tiers): the tier this rank's state
+    # came from ("memory": this node's shared memory, "peer": another node's, sent over the group,
+    # "storage": the persistent checkpoint), and its tensor bytes per tier
+    tier: str | None = None
+    bytes_by_tier: dict = field(default_factory=dict)
+    peer_bytes_received: int = 0  # bytes of the memory copy received from another node (tier "peer")
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

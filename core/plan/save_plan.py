@@ -228,7 +228,7 @@ def _part_count(nbytes: int, holders: int, part_bytes: float) -> int:
     return max(1, min(holders, int(nbytes // max(1.0, part_bytes))))
 
 
-def make_global_plan(plans: list[LocalPlan]) -> GlobalPlan:
+def make_global_plan(plans: list[LocalPlan], *, partial: bool = False) -> GlobalPlan:
     """Deduplicate replicas, assign writers, and check that the shards tile every tensor.
 
     Cost: linear in the entries of the distinct plans (ranks sharing one ``tensors`` dict, see
@@ -273,7 +273,7 @@ def make_global_plan(plans: list[LocalPlan]) -> GlobalPlan:
     for fqn, spec, _ in unique:
         by_fqn[fqn].append(spec)
     for fqn, specs in by_fqn.items():
-        check_exact_cover(fqn, tensors[fqn][1], specs)
+        check_exact_cover(fqn, tensors[fqn][1], specs, partial=partial)
 
     itemsize = {dt: str_to_dtype(dt).itemsize for dt in {d for d, _ in tensors.values()}}
     load: dict[int, int] = {}
@@ -395,7 +395,8 @@ def _relative_view(leaf_spec: ChunkSpec | None, spec: ChunkSpec) -> Box | None:
     return Box(tuple(o - lo for o, lo in zip(spec.offsets, leaf_spec.offsets)), spec.lengths)
 
 
-def make_save_plan(plans: list[LocalPlan], *, flat_ranges: str = "store", segment_bytes: int = 1 << 30) -> SavePlan:
+def make_save_plan(plans: list[LocalPlan], *, flat_ranges: str = "store", segment_bytes: int = 1 << 30,
+                   partial: bool = False) -> SavePlan:
     """The global plan plus each rank's files, offsets, fills and sends (deterministic).
 
     Args:
@@ -403,17 +404,19 @@ def make_save_plan(plans: list[LocalPlan], *, flat_ranges: str = "store", segmen
             stored entirely as flat ranges into regular boxes (:func:`unickpt.merging.merge_ranges`).
         segment_bytes: a rank starts a new data file when the current one would grow past this
             (a larger chunk gets a file of its own).
+        partial: the plans are a part of a job-wide state (a memory-tier copy of one rank's shards,
+            :mod:`unickpt.tiers`): shards must not overlap but need not cover their global tensors.
 
     Raises what :func:`make_global_plan` raises, and ValueError for an unknown ``flat_ranges``.
     """
     if flat_ranges not in ("store", "merge"):
         raise ValueError(f"flat_ranges must be 'store' or 'merge', got {flat_ranges!r}")
     with gc_paused():
-        return _make_save_plan(plans, flat_ranges, segment_bytes)
+        return _make_save_plan(plans, flat_ranges, segment_bytes, partial)
 
 
-def _make_save_plan(plans: list[LocalPlan], flat_ranges: str, segment_bytes: int) -> SavePlan:
-    gp = make_global_plan(plans)
+def _make_save_plan(plans: list[LocalPlan], flat_ranges: str, segment_bytes: int, partial: bool = False) -> SavePlan:
+    gp = make_global_plan(plans, partial=partial)
     world = max((p.rank for p in plans), default=0) + 1
     by_rank = {p.rank: p for p in plans}
     guarded_sets: dict[int, frozenset] = {}  # by id of the guarded tuple: ranks sharing a plan share it

@@ -121,7 +121,8 @@ class PlanAgreement:
             blobs = comm.all_gather_bytes(mine_bytes, comm.plan_group)
             stats.collectives_plan += 2
             plans = decode_plans(blobs, firsts, table_firsts)
-        plan = make_save_plan(plans, flat_ranges=opts.flat_ranges, segment_bytes=opts.segment_bytes)
+        plan = make_save_plan(plans, flat_ranges=opts.flat_ranges, segment_bytes=opts.segment_bytes,
+                              partial=opts.partial)
         if opts.check_replicas != "off":
             check(plan, opts.check_replicas == "always")
         self.cache.put(key, plan)

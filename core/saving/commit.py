@@ -43,7 +43,8 @@ class _StageFailure(Exception):
 
 
 def build_metadata(plan: Any, results: list[dict], *, world_size: int, skeleton: Any, step: int | None = None,
-                   framework: str | None = None, run_id: str | None = None, extra: dict | None = None) -> CheckpointMetadata:
+                   framework: str | None = None, run_id: str | None = None, extra: dict | None = None,
+                   partial: bool = False) -> CheckpointMetadata:
     """The metadata a save commits: every chunk of ``plan`` (a :class:`~unickpt.plan.save_plan.SavePlan`)
     with its file, offset and checksums, tensors' chunks in spec order.
 
@@ -51,6 +52,8 @@ def build_metadata(plan: Any, results: list[dict], *, world_size: int, skeleton:
         results: per rank, ``{"digests": [(checksum, block checksums, block bytes)] in the order of
             plan.writes[rank], "per_rank_file": relative path or None}``.
         world_size: the saving world (``layout.world_size``; also ``per_rank.world_size``).
+        partial: the save was a part of a job-wide state (``SaveOptions.partial``): ``layout.partial``
+            is set, and readers accept tensors that the chunks do not cover entirely.
 
     Linear in the number of chunks (one sort per tensor).
     """
@@ -66,7 +69,8 @@ def build_metadata(plan: Any, results: list[dict], *, world_size: int, skeleton:
     if plan.per_rank_fqns:
         per_rank = {"world_size": world_size, "fqns": list(plan.per_rank_fqns),
                     "files": [r["per_rank_file"] for r in results]}
-    return CheckpointMetadata(tensors=tensors, state_tree=skeleton, layout={"world_size": world_size},
+    layout: dict = {"world_size": world_size, **({"partial": True} if partial else {})}
+    return CheckpointMetadata(tensors=tensors, state_tree=skeleton, layout=layout,
                               aliases=plan.aliases, per_rank=per_rank, step=step, framework=framework,
                               run_id=run_id, extra=extra or {})
 
@@ -115,7 +119,8 @@ class Committer:
         if self.rank == 0:
             try:
                 meta = build_metadata(plan, results, world_size=self.world_size, skeleton=snap.skeleton,
-                                      step=req.step, framework=req.framework, run_id=self.run_id, extra=req.extra)
+                                      step=req.step, framework=req.framework, run_id=self.run_id, extra=req.extra,
+                                      partial=req.options.partial)
                 data = meta.to_json().encode()
                 if req.options.upload_to is not None:
                     Uploader.commit(req, data)

@@ -62,6 +62,7 @@ class JobSpec:
     direct: bool = False
     write_block: int = 16 << 20
     storage_options: dict | None = None
+    in_place: bool = False  # the ring is the (one) data file: nothing to write, only its length to set
 
 
 @dataclass
@@ -203,7 +204,9 @@ class HashWriter:
                     break
                 t0 = time.perf_counter()
                 try:
-                    if spec.direct and size >= DIRECT_MIN_BYTES and self._storage(path, spec.storage_options).is_local:
+                    if spec.in_place:
+                        self._finish_in_place(state, path, base, size)
+                    elif spec.direct and size >= DIRECT_MIN_BYTES and self._storage(path, spec.storage_options).is_local:
                         self._write_direct(state, path, base, size)
                     else:
                         self._write_storage(state, path, base, size)
@@ -271,6 +274,14 @@ class HashWriter:
         finally:
             if wb is not None:
                 wb.close()
+        state.timings["bytes_written"] += size
+
+    def _finish_in_place(self, state: _JobState, path: str, base: int, size: int) -> None:
+        """In-place staging: the staged bytes are the file already; once they are all checksummed,
+        cut the file to its length (the ring is rounded up to a granule)."""
+        self._wait_ready(state, base + size)
+        storage = self._storage(path, state.spec.storage_options)
+        os.truncate(storage.strip(path), size)
         state.timings["bytes_written"] += size
 
     def _write_direct(self, state: _JobState, path: str, base: int, size: int) -> None:
@@ -378,6 +389,10 @@ class ThreadDrain:
     def attach(self, pool: Any) -> None:
         """Make the staging ring ``pool`` (a :class:`~unickpt.saving.staging.StagingPool`) readable."""
         self._views[pool.index] = pool.memoryview()
+
+    def detach(self, pool: Any) -> None:
+        """Forget the ring ``pool`` (an in-place ring about to be unmapped)."""
+        self._views.pop(pool.index, None)
 
     def start_job(self, spec: JobSpec) -> None:
         self.hw.start_job(spec)

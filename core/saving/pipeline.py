@@ -27,6 +27,7 @@ committed. No collective here: only point-to-point merge transfers.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
@@ -48,11 +49,31 @@ from .staging import CudaStager, PoolAborted, StagingPool, byte_view, copy_bytes
 from .transfers import MergeTransfers
 from .upload import Uploader
 
-__all__ = ["SavePipeline", "DrainResult"]
+__all__ = ["SavePipeline", "DrainResult", "take_spare"]
 
 
 def _format(stage: str, e: BaseException) -> str:
     return f"{stage}: " + "".join(traceback.format_exception(type(e), e, e.__traceback__))
+
+
+def take_spare(spare_dir: str, target: str) -> bool:
+    """In-place staging: move a spare file of ``spare_dir`` (one that nothing else links: a peer copy
+    being sent holds a second link) to ``target``, so that the save reuses its memory pages. Returns
+    whether one was taken."""
+    try:
+        names = sorted(os.listdir(spare_dir))
+    except OSError:
+        return False
+    for name in names:
+        path = os.path.join(spare_dir, name)
+        try:
+            if os.stat(path).st_nlink != 1:
+                continue
+            os.rename(path, target)
+            return True
+        except OSError:  # taken or removed meanwhile
+            continue
+    return False
 
 
 def _narrow(t: torch.Tensor, view: Box | None) -> torch.Tensor:
@@ -97,6 +118,7 @@ class _Run:
         self.send_works: list = []
         self.backend_done = threading.Event()
         self.uploads_done = threading.Event()
+        self.in_place = False  # the ring is the data file (SaveOptions.in_place)
 
     def fail(self, text: str) -> None:
         self.progress.fail(text)
@@ -168,14 +190,22 @@ class SavePipeline:
             run.pool, stats.pool_wait_s = self._acquire_pool()
             progress.on_failure(run.pool.abort)
             _, stream_len = stream_layout([n for _, n in plan.segments[self.rank]])
-            cap = self.ring_bytes(opts)
-            run.pool.reserve(min(stream_len, cap), pin=pin, shared=backend.kind == "process", limit=cap)
+            if run.mine:
+                request.storage.makedirs(request.storage.join(request.path, "data"))
+            segments = plan.segments[self.rank]
+            run.in_place = (opts.in_place is not None and backend.kind == "thread" and request.storage.is_local
+                            and len(segments) == 1)
+            if run.in_place:  # the ring is the data file: staging writes the checkpoint
+                target = request.storage.strip(request.storage.join(request.path, segments[0][0]))
+                take_spare(opts.in_place, target)
+                run.pool.reserve_file(target, stream_len)
+            else:
+                cap = self.ring_bytes(opts)
+                run.pool.reserve(min(stream_len, cap), pin=pin, shared=backend.kind == "process", limit=cap)
             run.pool.begin()
             stats.pool_capacity, stats.pool_allocations, stats.pool_index = (run.pool.capacity_bytes,
                                                                              run.pool.allocations, run.pool.index)
             stats.streamed = stream_len > run.pool.capacity_bytes
-            if run.mine:
-                request.storage.makedirs(request.storage.join(request.path, "data"))
             self._start(run, backend)
         except BaseException as e:
             run.fail(_format("snapshot stage (preparing)", e))
@@ -212,7 +242,7 @@ class SavePipeline:
         self._active[run.seq] = run
         backend.start_job(JobSpec(run.seq, run.pool.index, run.pool.capacity_bytes, segs, chunks,
                                   direct=req.options.direct_io, write_block=req.options.write_block,
-                                  storage_options=req.storage_options))
+                                  storage_options=req.storage_options, in_place=run.in_place))
 
     def stage(self, run: _Run) -> None:
         """Save thread: stage the run (what the caller must not change first, then the rest), setting
@@ -409,6 +439,10 @@ class SavePipeline:
             setattr(stats, k, run.timings.get(k, 0.0))
         if run.pool is not None:
             stats.ring_wait_s = run.pool.wait_s
+            if run.in_place:  # the file is the checkpoint's now: never touched through this ring again
+                if run.backend is not None and hasattr(run.backend, "detach"):
+                    run.backend.detach(run.pool)
+                run.pool.release_file()
             run.pool.released.set()
         return DrainResult(run.digests, started)
 

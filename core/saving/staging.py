@@ -86,6 +86,7 @@ class StagingPool:
         self.wait_s = 0.0  # time the current save's stager spent waiting for ring space
         self._send: torch.Tensor | None = None
         self._registered = False
+        self.file: str | None = None  # the data file this ring is (in-place staging), while mapped
 
     @property
     def capacity_bytes(self) -> int:
@@ -127,7 +128,36 @@ class StagingPool:
         self.allocations += 1
         return True
 
+    def reserve_file(self, path: str, nbytes: int) -> bool:
+        """In-place staging (``SaveOptions.in_place``): make the ring the file ``path`` (created if
+        absent; a recycled file keeps its pages), at least ``nbytes`` long (rounded up to a granule,
+        allocated with ``posix_fallocate``: a full tmpfs raises OSError ENOSPC here, never SIGBUS in
+        a copy), mapped shared and prefaulted. Returns True (a new mapping). The save's drain then
+        only checksums; :meth:`release_file` unmaps it once the save is over."""
+        want = max(GRANULE_BYTES, -(-nbytes // GRANULE_BYTES) * GRANULE_BYTES)
+        self._release_memory()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            st = os.fstat(fd)
+            if st.st_size != want:
+                os.ftruncate(fd, want)
+            if st.st_blocks * 512 < want:  # a recycled file of this size has its pages already
+                os.posix_fallocate(fd, 0, want)
+            mm = mmap.mmap(fd, want, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        self._keep, self._tensor = mm, torch.frombuffer(mm, dtype=torch.uint8)
+        self.pinned, self.shared, self.file = False, False, path
+        self.allocations += 1
+        return True
+
+    def release_file(self) -> None:
+        """Drop the mapping of an in-place ring (the file is the checkpoint's now)."""
+        if self.file is not None:
+            self._release_memory()
+
     def _release_memory(self) -> None:
+        self.file = None
         if self._registered and self._tensor is not None:
             torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr())
             self._registered = False

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 from typing import Callable, Iterator, Sequence
 
@@ -96,20 +97,60 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _memory_tiers(root: str, memory_dir: str | None) -> tuple[str | None, dict[int, dict]]:
+    """This node's memory-tier copies of the run whose persistent root is ``root`` (docs/tiers.md):
+    ``(run directory or None, {step: {"memory": {world: [ranks]}, "peer": {world: [ranks]}}})``."""
+    from ..options import DEFAULT_MEMORY_DIR, env
+    from ..tiers.layout import RANK_DIR, MemoryLayout
+
+    layout = MemoryLayout(memory_dir or env().memory_dir or DEFAULT_MEMORY_DIR, root)
+    run = layout.run_dir
+    if not os.path.isdir(run):
+        return None, {}
+    found: dict[int, dict] = {}
+    for kind, tier in (("own", "memory"), ("peer", "peer")):
+        kind_dir = os.path.join(run, kind)
+        for name in sorted(os.listdir(kind_dir)) if os.path.isdir(kind_dir) else []:
+            m = RANK_DIR.match(name)
+            if not m:
+                continue
+            rank, world = int(m.group(1)), int(m.group(2))
+            for step in layout.committed(kind, rank, world):
+                found.setdefault(step, {"memory": {}, "peer": {}})[tier].setdefault(world, []).append(rank)
+    return run, found
+
+
+def _ranks(by_world: dict) -> str:
+    """``ranks 0,1`` (``of 4`` when several world sizes are present)."""
+    parts = [",".join(map(str, sorted(ranks))) + (f" of {w}" if len(by_world) > 1 else "")
+             for w, ranks in sorted(by_world.items())]
+    return "ranks " + "; ".join(parts)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     storage = open_storage(args.root)
     if not storage.isdir(args.root):
         raise UnickptError(f"{args.root!r} is not a directory")
-    entries = list_checkpoints(args.root)
+    entries = dict(list_checkpoints(args.root))
     latest = None
     latest_path = storage.join(args.root, "latest")
     if storage.exists(latest_path):
         latest = storage.read_bytes(latest_path).decode().strip()
+    run, memory = _memory_tiers(args.root, args.memory_dir)
     rows = []
-    for step, committed in entries:
+    for step in sorted(set(entries) | set(memory)):
         name = f"step_{step}"
-        size = storage.du(storage.join(args.root, name))
-        rows.append({"name": name, "step": step, "committed": committed, "bytes": size, "latest": name == latest})
+        committed = entries.get(step)
+        size = storage.du(storage.join(args.root, name)) if committed is not None else 0
+        tiers = [] if not committed else ["storage"]
+        mem = memory.get(step, {"memory": {}, "peer": {}})
+        tiers += [t for t in ("memory", "peer") if mem[t]]
+        row = {"name": name, "step": step, "committed": committed, "bytes": size, "latest": name == latest,
+               "tiers": tiers}
+        if run is not None:
+            row["memory"] = {str(w): sorted(r) for w, r in mem["memory"].items()}
+            row["peer"] = {str(w): sorted(r) for w, r in mem["peer"].items()}
+        rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -118,11 +159,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
             storage.join(args.root, "metadata.json")) else ""
         print(f"no checkpoints under {args.root}{hint}")
         return 0
-    print(f"{'checkpoint':<16}{'step':>10}  {'status':<11}{'size':>10}")
+    if run is not None:
+        print(f"memory tiers of this node: {run}")
+    print(f"{'checkpoint':<16}{'step':>10}  {'status':<12}{'size':>10}  tiers")
     for r in rows:
-        status = "committed" if r["committed"] else "INCOMPLETE"
+        status = {True: "committed", False: "INCOMPLETE", None: "memory only"}[r["committed"]]
+        where = ["storage"] if r["committed"] else []
+        if run is not None and r["memory"]:
+            where.append(f"memory ({_ranks({int(w): v for w, v in r['memory'].items()})})")
+        if run is not None and r["peer"]:
+            where.append(f"peer copies ({_ranks({int(w): v for w, v in r['peer'].items()})})")
         mark = "  <- latest" if r["latest"] else ""
-        print(f"{r['name']:<16}{r['step']:>10}  {status:<11}{_human(r['bytes']):>10}{mark}")
+        size = _human(r["bytes"]) if r["committed"] is not None else "-"
+        print(f"{r['name']:<16}{r['step']:>10}  {status:<12}{size:>10}  {', '.join(where) or '-'}{mark}")
     return 0
 
 
@@ -267,8 +316,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="a or b is a checkpoint of another format whose reading unpickles (see import)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_diff)
-    p = add("ls", help="list the checkpoints under a root, committed or not")
+    p = add("ls", help="list the checkpoints under a root, committed or not, and the tiers holding each step")
     p.add_argument("root")
+    p.add_argument("--memory-dir", default=None,
+                   help="base directory of the memory tiers on this node [UNICKPT_MEMORY_DIR or /dev/shm/unickpt]")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_ls)
     p = add("export", help="write a full, unsharded model in Hugging Face's layout")

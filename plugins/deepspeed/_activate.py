@@ -7,7 +7,8 @@ calls ``create_checkpoint_engine``, a name imported into ``deepspeed.runtime.eng
 ``"unickpt": {"enabled": true, ...}`` and otherwise calls DeepSpeed's own factory unchanged. It also wraps
 ``DeepSpeedEngine.save_checkpoint`` / ``load_checkpoint``: engines whose checkpoint engine is unickpt's
 take unickpt's path (:mod:`unickpt.deepspeed.checkpoint`), every other engine runs DeepSpeed's original
-method with the same arguments.
+method with the same arguments. ``DeepSpeedEngine.step`` is wrapped too: after an optimizer step of an
+engine whose block sets ``memory_every`` / ``persist_every``, the checkpoint tiers' schedule runs.
 
 The unickpt startup hook (:mod:`unickpt._startup`, through this package's ``unickpt.startup`` entry point)
 calls :func:`startup` right after ``import deepspeed`` in every interpreter; it installs unless
@@ -71,6 +72,7 @@ def install() -> None:
     cls = ds_engine.DeepSpeedEngine
     cls.save_checkpoint = _dispatch(cls.save_checkpoint, "save_checkpoint")
     cls.load_checkpoint = _dispatch(cls.load_checkpoint, "load_checkpoint")
+    cls.step = _with_tiers(cls.step)
     ds_engine.create_checkpoint_engine = create_checkpoint_engine  # last: marks the install as complete
 
 
@@ -90,6 +92,29 @@ def _unickpt_block(config_params: Any) -> Any:
                 'DeepSpeed config: top-level key %r is not "unickpt"; DeepSpeed ignores it and saves its own '
                 "checkpoints", key)
     return raw.get("unickpt")
+
+
+def _with_tiers(original: Any) -> Any:
+    """``DeepSpeedEngine.step``, then, after an optimizer step (``global_steps`` moved) of an engine
+    whose ``"unickpt"`` block has ``memory_every`` / ``persist_every``, the tier schedule
+    (:meth:`~unickpt.deepspeed.engine.UnickptCheckpointEngine.on_step`)."""
+    if getattr(original, _MARK, False):
+        return original
+
+    @functools.wraps(original)
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ckpt = getattr(self, "checkpoint_engine", None)
+        if not (getattr(ckpt, "is_unickpt", False) and ckpt.config.tiers_enabled):
+            return original(self, *args, **kwargs)
+        before = self.global_steps
+        out = original(self, *args, **kwargs)
+        if self.global_steps != before:
+            ckpt.on_step(self)
+        return out
+
+    setattr(step, _MARK, True)
+    step.__unickpt_original__ = original
+    return step
 
 
 def _dispatch(original: Any, name: str) -> Any:

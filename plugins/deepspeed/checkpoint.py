@@ -174,6 +174,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         if engine._optimizer_has_ckpt_event_epilogue():
             engine.optimizer.checkpoint_event_epilogue()
     ckpt.last_save = handle
+    ckpt.client_state = dict(client_state or {})
     if cfg.async_save:
         ckpt.add_pending(handle, CheckpointCommitInfo(tag=tag, save_dir=save_dir, save_latest=save_latest))
     return True
@@ -202,6 +203,27 @@ def _raise_at_unsafe(value: Any, key: str) -> None:
 def _save_state(engine: Any, uengine: Any, cfg: Any, target: str, tag: str, client_enc: Any,
                 exclude_frozen: bool, on_commit: Any) -> Any:
     """Build the state (see the module docstring) and hand it to unickpt; returns the SaveHandle."""
+    state = _state(engine, client_enc, exclude_frozen)
+    return uengine.save(target, state, async_save=cfg.async_save, storage_options=cfg.storage_options or None,
+                        step=int(engine.global_steps), framework="deepspeed", extra={"deepspeed_tag": tag},
+                        on_commit=on_commit, allow_pickle=cfg.allow_pickle)
+
+
+def memory_state(engine: Any, ckpt: Any) -> dict:
+    """The state of a memory save (the checkpoint tiers): what ``save_checkpoint`` saves, with the
+    client_state of the latest ``save_checkpoint`` call. The ZeRO checkpoint-event prologue/epilogue
+    run around it as for a save (ZeRO-3 keeps its persistent parameters gathered otherwise)."""
+    client_enc = _encode_client_state(ckpt.client_state, ckpt.config.allow_pickle)
+    if engine._optimizer_has_ckpt_event_prologue():
+        engine.optimizer.checkpoint_event_prologue()
+    try:
+        return _state(engine, client_enc, exclude_frozen=False)
+    finally:
+        if engine._optimizer_has_ckpt_event_epilogue():
+            engine.optimizer.checkpoint_event_epilogue()
+
+
+def _state(engine: Any, client_enc: Any, exclude_frozen: bool) -> dict:
     layout = zero_layout(engine)
     state_keys, scalars = _state_keys(layout)
     state = {
@@ -218,9 +240,7 @@ def _save_state(engine: Any, uengine: Any, cfg: Any, target: str, tag: str, clie
     }
     if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict"):
         state["lr_scheduler"] = engine.lr_scheduler
-    return uengine.save(target, state, async_save=cfg.async_save, storage_options=cfg.storage_options or None,
-                        step=int(engine.global_steps), framework="deepspeed", extra={"deepspeed_tag": tag},
-                        on_commit=on_commit, allow_pickle=cfg.allow_pickle)
+    return state
 
 
 def _sibling(path: str, suffix: str) -> str:
@@ -288,6 +308,11 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     finish_all_pending()  # a save still committing (from any engine in this process) may be the one to load
     load_dir = os.fspath(load_dir)
     storage = ext.open_storage(load_dir, cfg.storage_options or None)
+    if cfg.memory_every is not None and tag is None and not load_module_only:
+        restored = _load_from_memory(engine, storage, load_dir, load_module_strict, load_optimizer_states,
+                                     load_lr_scheduler_states)
+        if restored is not None:
+            return restored
     if tag is None:
         tag = _read_latest(storage, load_dir)
         if tag is None:
@@ -329,6 +354,72 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     return path, ext.decode(client_enc, allow_pickle=cfg.allow_pickle, key="client_state")
 
 
+def _load_from_memory(engine: Any, storage: Any, load_dir: str, load_module_strict: bool,
+                      load_optimizer_states: bool, load_lr_scheduler_states: bool) -> tuple[Any, Any] | None:
+    """The checkpoint tiers (docs/tiers.md): restore the newest step that every rank holds in memory
+    (its node's, or a peer node's) when it is at least as new as ``load_dir/latest``'s global step.
+    Returns ``(memory copy path, client_state)``, or None (then the storage checkpoint is loaded)."""
+    ckpt = engine.checkpoint_engine
+    cfg = ckpt.config
+    tiers = ckpt.tiers_for()
+    latest = _read_latest(storage, load_dir) if tiers.rank == 0 else None
+    persisted = None
+    if latest is not None:
+        try:
+            persisted = ext.read_metadata(storage.join(load_dir, latest), cfg.storage_options or None).step
+        except Exception:  # a native or damaged tag: memory decides alone  # noqa: BLE001
+            persisted = None
+    persisted = ext.engine().broadcast(persisted)
+    chosen: dict = {}
+
+    def target(path: str) -> dict:
+        meta = ext.read_metadata(path)
+        layout = zero_layout(engine)
+        saved_tensors = set(meta.tensors) | set(meta.aliases)
+        _, _, saved_objects = ext.saved_leaves(meta.state_tree)
+        prefix = "optimizer.state."
+        state_keys = sorted({f[len(prefix):].split(".", 1)[0] for f in saved_tensors if f.startswith(prefix)})
+        with_moments = load_optimizer_states
+        if with_moments:
+            _check_optimizer(layout, path, saved_objects, state_keys)
+            for key in state_keys:
+                for flat in layout.flat:
+                    layout.base.state[flat].setdefault(key, torch.zeros_like(flat))
+        chosen.update(layout=layout, path=path, with_moments=with_moments)
+        return _load_target(engine, layout, path, saved_tensors, saved_objects, state_keys, with_moments,
+                            load_module_strict, load_lr_scheduler_states, False)
+
+    if engine._optimizer_has_ckpt_event_prologue():
+        engine.optimizer.checkpoint_event_prologue()
+    try:
+        got = tiers.recover(target, persisted=persisted, strict=False, allow_pickle=cfg.allow_pickle)
+        if got is None:
+            return None
+        step, state, stats = got
+        ckpt.last_load_stats = stats
+        _apply_loaded(engine, chosen["layout"], chosen["path"], state, chosen["with_moments"], False)
+    finally:
+        if engine._optimizer_has_ckpt_event_epilogue():
+            engine.optimizer.checkpoint_event_epilogue()
+    if tiers.rank == 0:
+        log.info("unickpt.deepspeed: restored global step %d from the memory tiers (%s)", step, stats.tier)
+    return chosen["path"], ext.decode(state["client_state"], allow_pickle=cfg.allow_pickle, key="client_state")
+
+
+def _apply_loaded(engine: Any, layout: ZeroLayout, path: str, state: dict, with_moments: bool,
+                  load_module_only: bool) -> None:
+    """After a load into ``state``: the optimizer's scalars and param groups, the engine's counters."""
+    info = state["deepspeed"]
+    if with_moments:
+        _restore_optimizer_scalars(layout, path, state["optimizer"]["scalars"], state["optimizer"]["param_groups"])
+    if not load_module_only:
+        engine.global_steps = int(info["global_steps"])
+        engine.global_samples = int(info["global_samples"])
+        engine.skipped_steps = int(info["skipped_steps"])
+    engine.loaded_checkpoint_dp_world_size = int(info["dp_world_size"])
+    engine.loaded_checkpoint_mp_world_size = int(info["mp_world_size"])
+
+
 def _load_state(engine: Any, meta: Any, path: str, load_module_strict: bool, load_optimizer_states: bool,
                 load_lr_scheduler_states: bool, load_module_only: bool) -> Any:
     """Check the checkpoint against the engine, then load it in place; returns the encoded client_state.
@@ -361,15 +452,9 @@ def _load_state(engine: Any, meta: Any, path: str, load_module_strict: bool, loa
     ckpt.last_load_stats = ext.engine().load(path, state, strict=False,
                                                  storage_options=cfg.storage_options or None,
                                                  allow_pickle=cfg.allow_pickle, verify=cfg.verify)
-    info = state["deepspeed"]
-    if with_moments:
-        _restore_optimizer_scalars(layout, path, state["optimizer"]["scalars"], state["optimizer"]["param_groups"])
-    if not load_module_only:
-        engine.global_steps = int(info["global_steps"])
-        engine.global_samples = int(info["global_samples"])
-        engine.skipped_steps = int(info["skipped_steps"])
-    engine.loaded_checkpoint_dp_world_size = int(info["dp_world_size"])
-    engine.loaded_checkpoint_mp_world_size = int(info["mp_world_size"])
+    _apply_loaded(engine, layout, path, state, with_moments, load_module_only)
+    if ckpt.tiers is not None:
+        ckpt.tiers.forget_newer(int(state["deepspeed"]["global_steps"]))
     return state["client_state"]
 
 

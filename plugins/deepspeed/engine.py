@@ -62,7 +62,39 @@ class UnickptCheckpointEngine(CheckpointEngine):
         self._pending: list[tuple[Any, CheckpointCommitInfo]] = []  # (SaveHandle, info), oldest first
         self.last_save: Any = None  # the SaveHandle of the latest save_checkpoint (``.stats.stall_s``, ...)
         self.last_load_stats: Any = None  # this rank's LoadStats of the latest load_checkpoint
+        self.tiers: Any = None  # the checkpoint tiers (``memory_every`` / ``persist_every``), once created
+        self.client_state: dict = {}  # the client_state of the latest save_checkpoint (memory saves keep it)
         _LIVE.add(self)
+
+    # -- the checkpoint tiers (docs/tiers.md) ----------------------------------------------------------
+    def tiers_for(self) -> Any:
+        """The :class:`unickpt.ext.TiersHandle` of this engine (created on first use; collective: every
+        rank gets here at the same optimizer step, or in ``load_checkpoint``)."""
+        if self.tiers is None:
+            from unickpt import ext
+
+            self.tiers = ext.memory_tiers(self.config.save_dir, self.config.tier_options())
+        return self.tiers
+
+    def on_step(self, engine: Any) -> None:
+        """After an optimizer step of ``engine`` (every rank): the tier schedule. A memory save when the
+        step is due; ``save_checkpoint(save_dir)`` every ``persist_every`` steps; on a preemption
+        notice (agreed across ranks in the step's one all-reduce) a synchronous
+        ``save_checkpoint(save_dir)``, then ``engine.unickpt_preempted = True``."""
+        from .checkpoint import memory_state
+
+        tiers = self.tiers_for()
+        step = int(engine.global_steps)
+        preempt = tiers.step(step, lambda: memory_state(engine, self), allow_pickle=self.config.allow_pickle)
+        if preempt and not getattr(engine, "unickpt_preempted", False):
+            if tiers.rank == 0:
+                log.warning("unickpt.deepspeed: preemption notice (%s): saving global step %d to %s",
+                            tiers.notice.received or "on another rank", step, self.config.save_dir)
+            engine.save_checkpoint(self.config.save_dir, client_state=self.client_state)
+            self.finish_pending()
+            engine.unickpt_preempted = True
+        elif self.config.persist_every is not None and step % self.config.persist_every == 0:
+            engine.save_checkpoint(self.config.save_dir, client_state=self.client_state)
 
     # -- unickpt saves --------------------------------------------------------------------------
     def add_pending(self, handle: Any, info: CheckpointCommitInfo) -> None:
@@ -131,8 +163,14 @@ class UnickptCheckpointEngine(CheckpointEngine):
         return True
 
     def cleanup(self) -> None:
-        """Called by ``engine.destroy()``: wait for pending saves to commit (raises their error)."""
-        self.finish_pending()
+        """Called by ``engine.destroy()``: wait for pending saves to commit (raises their error), then
+        close the checkpoint tiers (their memory copies stay for a restart)."""
+        try:
+            self.finish_pending()
+        finally:
+            if self.tiers is not None:
+                self.tiers.close()
+                self.tiers = None
 
     def preserves_storage_sharing(self) -> bool:
         return True

@@ -25,13 +25,28 @@ def enabled() -> bool:
     return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def callbacks_factory() -> list:
-    """Entry point of ``lightning.pytorch.callbacks_factory``: ``[UnickptCallback()]`` or ``[]``."""
-    if not enabled():
-        return []
-    from ._callback import UnickptCallback
+def _tiers_wanted() -> bool:
+    """A UnickptCheckpointIO with checkpoint tiers (``memory_every``) exists in this process."""
+    import sys
 
-    return [UnickptCallback()]
+    io = sys.modules.get("unickpt.lightning.io")
+    return io is not None and any(x.tier_options is not None for x in list(io._LIVE))
+
+
+def callbacks_factory() -> list:
+    """Entry point of ``lightning.pytorch.callbacks_factory``: ``[UnickptCallback()]`` with
+    ``UNICKPT_LIGHTNING=1``, plus ``UnickptTiersCallback()`` while a UnickptCheckpointIO with tiers
+    exists (docs/tiers.md); else ``[]``."""
+    out: list = []
+    if enabled():
+        from ._callback import UnickptCallback
+
+        out.append(UnickptCallback())
+    if _tiers_wanted():
+        from ._tiers import UnickptTiersCallback
+
+        out.append(UnickptTiersCallback())
+    return out
 
 
 def fabric_callbacks_factory() -> list:

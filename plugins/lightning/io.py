@@ -32,6 +32,7 @@ __all__ = ["UnickptCheckpointIO"]
 log = logging.getLogger("unickpt.lightning")
 
 FRAMEWORK = "lightning"
+MEMORY_PREFIX = "unickpt-memory:"  # ckpt_path of a restore from the checkpoint tiers (see memory_ckpt_path)
 TENSORS_KEY = "tensors"
 TREE_KEY = "lightning"
 
@@ -64,6 +65,15 @@ class UnickptCheckpointIO(CheckpointIO):
             top-k save) writes only its non-tensor state and links to the other checkpoint's
             tensors instead of writing them again.
         verify: check every byte read against its checksum on load.
+        memory_every: the checkpoint tiers (docs/tiers.md): a memory save of the whole checkpoint
+            dict every this many optimizer steps (this rank's node memory, copied to a rank of
+            another node), and a save of the current step on a preemption notice (``SIGTERM`` /
+            ``SIGUSR1`` to any rank: ``<checkpoint dir>/preempted-step=<N>.ckpt``, then the fit
+            stops). Restore with ``trainer.fit(..., ckpt_path=io.memory_ckpt_path(fallback))``.
+            Run by :class:`~unickpt.lightning._tiers.UnickptTiersCallback` (put on the Trainer by
+            the entry point).
+        tiers: the other tier options (:class:`~unickpt.TierOptions`: memory directory, steps kept,
+            memory bound, node id, signals, peer copies).
 
     A file that is not a unickpt pointer (a ``torch.save`` checkpoint from before unickpt was turned
     on) is read as ``TorchCheckpointIO`` reads it. Constructing the plugin also routes
@@ -78,9 +88,21 @@ class UnickptCheckpointIO(CheckpointIO):
     """
 
     def __init__(self, *, async_save: bool = True, allow_pickle: bool | None = None,
-                 storage_options: dict | None = None, dedup_last: bool = True, verify: bool = True):
+                 storage_options: dict | None = None, dedup_last: bool = True, verify: bool = True,
+                 memory_every: int | None = None, tiers: Any = None):
         from ._strategies import install
 
+        self.memory_every, self.tiers_config = memory_every, tiers
+        self.tier_options = None
+        if memory_every is not None or tiers is not None:
+            from unickpt import TierOptions
+
+            opts = tiers or TierOptions()
+            self.tier_options = opts.with_(**({"memory_every": memory_every} if memory_every is not None else {}))
+        self.tiers: Any = None  # the TiersHandle, created at the Trainer's setup (UnickptTiersCallback)
+        self.tiers_root: str | None = None
+        self.preempted, self.preempted_path = False, None
+        self.last_memory_load: Any = None  # (step, LoadStats) of the latest restore from memory
         self.async_save = bool(async_save)
         self.allow_pickle = allow_pickle
         self.storage_options = dict(storage_options or {})
@@ -98,7 +120,10 @@ class UnickptCheckpointIO(CheckpointIO):
 
     def __getstate__(self) -> dict:
         """Only the configuration travels (``ddp_spawn`` pickles the strategy into each worker)."""
-        return {k: getattr(self, k) for k in ("async_save", "allow_pickle", "storage_options", "dedup_last", "verify")}
+        state = {k: getattr(self, k) for k in ("async_save", "allow_pickle", "storage_options", "dedup_last", "verify",
+                                               "memory_every")}
+        state["tiers"] = self.tiers_config
+        return state
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)
@@ -298,8 +323,53 @@ class UnickptCheckpointIO(CheckpointIO):
         """
         import torch.distributed as dist
 
+        if isinstance(path, str) and path.startswith(MEMORY_PREFIX):
+            restored = self._load_memory(map_location, weights_only)
+            if restored is not None:
+                return restored
+            path = path[len(MEMORY_PREFIX):]
+            if not path:
+                raise FileNotFoundError("Checkpoint file not found: no step to restore in the memory tiers "
+                                        "and no fallback path (memory_ckpt_path(fallback))")
         multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         return self._load(path, map_location, weights_only, ext.engine() if multi else _Solo())
+
+    # -- the checkpoint tiers (docs/tiers.md, :mod:`._tiers`) --------------------------------------------
+    @staticmethod
+    def memory_ckpt_path(fallback: Any = "") -> str:
+        """``ckpt_path`` for ``trainer.fit``: restore the newest step held in the memory tiers, else
+        ``fallback`` (a checkpoint path; empty: none)."""
+        return MEMORY_PREFIX + (os.fspath(fallback) if fallback else "")
+
+    def memory_state(self, checkpoint: dict) -> dict:
+        """The unickpt state of a memory save of ``checkpoint`` (what ``save_checkpoint`` saves)."""
+        tree, tensors = split(checkpoint)
+        if not self._save_pickle():
+            _refuse_pickles("memory tier", tree)
+        return {TENSORS_KEY: tensors, TREE_KEY: tree} if tensors else {TREE_KEY: tree}
+
+    def _load_memory(self, map_location: Any, weights_only: bool | None) -> dict[str, Any] | None:
+        """Every rank: the checkpoint dict of the newest step that every rank holds in memory (its
+        node's or a peer's), or None (then the fallback path is loaded)."""
+        if self.tiers is None:
+            log.warning("unickpt.lightning: ckpt_path %r but no memory tiers are set up (memory_every)", MEMORY_PREFIX)
+            return None
+        templates: dict[str, Any] = {}
+
+        def target(path: str) -> dict:
+            template = _tensor_template(path, None)
+            templates["t"] = template
+            return {TENSORS_KEY: template, TREE_KEY: None} if template else {TREE_KEY: None}
+
+        got = self.tiers.recover(target, allow_pickle=self._load_pickle(weights_only))
+        if got is None:
+            return None
+        step, state, stats = got
+        self.last_memory_load = (step, stats)
+        template = templates["t"]
+        move = _mover(map_location)
+        log.info("unickpt.lightning: restored global step %d from the memory tiers (%s)", step, stats.tier)
+        return join(state[TREE_KEY], lambda tag: move(template[tag[TENSOR_TAG]], tag.get("device")))
 
     def _load(self, path: Any, map_location: Any, weights_only: bool | None, engine: Any) -> dict[str, Any]:
         """:meth:`load_checkpoint` over ``engine``'s process group (``ext.engine(ext.THIS_PROCESS)``: this
@@ -433,11 +503,15 @@ class UnickptCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """Wait for every pending save (Lightning calls this when the strategy tears down, at the end
         of ``fit`` / ``validate`` / ...), then give back the saving engine's threads and staging
-        memory (the next save starts them again)."""
+        memory (the next save starts them again), and close the checkpoint tiers (their memory
+        copies stay for a restart)."""
         try:
             self._wait()
         finally:
             _release_io_engine()
+            if self.tiers is not None:
+                tiers, self.tiers = self.tiers, None
+                tiers.close()
 
 
 # -- module helpers ----------------------------------------------------------------------------------

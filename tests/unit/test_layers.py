@@ -19,7 +19,7 @@ LAYERS = [
     {"unickpt.format", "unickpt.storage", "unickpt.dist"},
     {"unickpt.state", "unickpt.lifecycle"},
     {"unickpt.plan"},
-    {"unickpt.saving", "unickpt.loading"},
+    {"unickpt.saving", "unickpt.loading", "unickpt.tiers"},
     {"unickpt.engine", "unickpt.teardown", "unickpt.api", "unickpt.checkpointer"},
     {"unickpt.ext", "unickpt.tools", "unickpt.testing", "unickpt._startup", "unickpt.__main__", "unickpt"},
 ]

@@ -350,6 +350,47 @@ def phase_replace(out: str) -> None:
     print(f"OK replace ws={dist.get_world_size()}", flush=True)
 
 
+def phase_tiers(out: str) -> None:
+    """The checkpoint tiers through the JSON block (ZeRO-2, a memory save at every optimizer step): a
+    fresh engine (a restart) restores the last step from memory, bitwise, with nothing persisted yet;
+    then a preemption notice to rank 1 makes every rank save that step with ``save_checkpoint``."""
+    import signal
+
+    rank = dist.get_rank()
+    d = os.path.join(out, "tiers")
+
+    def make_tiers(seed: int):
+        stage, bf16 = CONFIGS["z2"]
+        torch.manual_seed(seed)
+        model = Net()
+        cfg = ds_config(stage, bf16)
+        cfg["unickpt"].update(memory_every=1, save_dir=d)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        return engine
+
+    e1 = make_tiers(0)
+    for s in range(4):
+        train_step(e1, s)
+    ref = gather(e1)
+    e1.checkpoint_engine.tiers.wait()
+    assert not os.path.exists(os.path.join(d, "latest"))  # nothing persisted: memory only
+    e1.destroy()  # the process would die here; its memory copies stay
+    e2 = make_tiers(1)
+    path, client = e2.load_checkpoint(d)
+    stats = e2.checkpoint_engine.last_load_stats
+    assert stats.tier == "memory" and set(stats.bytes_by_tier) == {"memory"}, stats
+    assert client == {} and "step_4" in path, (path, client)
+    assert_same(gather(e2), ref, "restored from memory")
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGUSR1)  # a preemption notice to one rank
+    train_step(e2, 4)  # optimizer step 5: every rank agrees on the notice and saves
+    assert getattr(e2, "unickpt_preempted", False)
+    assert open(os.path.join(d, "latest")).read() == "global_step5"
+    assert os.path.isfile(os.path.join(d, "global_step5", "metadata.json"))
+    e2.destroy()
+    print(f"OK tiers ws={dist.get_world_size()}", flush=True)
+
+
 if __name__ == "__main__":
     phase, out = sys.argv[1], sys.argv[2]
     names = sys.argv[3].split(",") if len(sys.argv) > 3 and sys.argv[3] else []
@@ -367,5 +408,7 @@ if __name__ == "__main__":
     if "errors" in sys.argv[4:]:
         phase_errors(out)
         phase_replace(out)
+    if phase == "tiers":
+        phase_tiers(out)
     dist.barrier()
     dist.destroy_process_group()

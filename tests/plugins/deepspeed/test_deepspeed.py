@@ -24,6 +24,10 @@ CONFIGS = "z0,z1,z2,z3,z0bf16,z1bf16,z2bf16,z3bf16"
 
 def torchrun(nproc: int, *args: str, timeout: int = 400, s3: dict | None = None) -> str:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    # deepspeed JIT-builds its CPU shm op at init_distributed into torch's extension cache; a cache shared
+    # by several checkouts (their include paths differ) is rebuilt by each in turn, under one lock: a
+    # checkout keeps its own (inside its virtual environment)
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".venv", "torch_extensions"))
     env.pop("UNICKPT_DEEPSPEED", None)
     env.pop("UNICKPT_TEST_S3", None)
     if s3 is not None:
@@ -150,17 +154,31 @@ def test_config_block_validation():
         UnickptConfig.from_block({"enabled": True, "asyncsave": True})
     assert str(e.value) == ('DeepSpeed config "unickpt": unknown key(s) [\'asyncsave\'] (did you mean '
                             "'asyncsave' -> 'async_save'?); known keys: "
-                            "['allow_pickle', 'async_save', 'enabled', 'storage_options', 'verify']")
+                            "['allow_pickle', 'async_save', 'enabled', 'memory_dir', 'memory_every', 'memory_keep', "
+                            "'memory_limit_bytes', 'peer', 'persist_every', 'save_dir', 'signals', 'storage_options', "
+                            "'verify']")
     with pytest.raises(ValueError) as e:  # no near match: no hint
         UnickptConfig.from_block({"enabled": True, "zzz": 1})
     assert str(e.value) == ('DeepSpeed config "unickpt": unknown key(s) [\'zzz\']; known keys: '
-                            "['allow_pickle', 'async_save', 'enabled', 'storage_options', 'verify']")
+                            "['allow_pickle', 'async_save', 'enabled', 'memory_dir', 'memory_every', 'memory_keep', "
+                            "'memory_limit_bytes', 'peer', 'persist_every', 'save_dir', 'signals', 'storage_options', "
+                            "'verify']")
     with pytest.raises(ValueError) as e:
         UnickptConfig.from_block({"enabled": "yes"})
     assert str(e.value) == 'DeepSpeed config "unickpt.enabled": expected a JSON boolean, got str \'yes\''
     with pytest.raises(ValueError) as e:
         UnickptConfig.from_block([1])
     assert str(e.value).startswith('DeepSpeed config "unickpt": expected a JSON object')
+    # the checkpoint tiers' keys (docs/tiers.md)
+    cfg = UnickptConfig.from_block({"enabled": True, "memory_every": 2, "save_dir": "/ckpt", "signals": ["SIGUSR1"]})
+    assert cfg.tiers_enabled and cfg.tier_options().validated().memory_every == 2
+    with pytest.raises(ValueError, match='need "save_dir"'):
+        UnickptConfig.from_block({"enabled": True, "memory_every": 1})
+    with pytest.raises(ValueError) as e:
+        UnickptConfig.from_block({"enabled": True, "memory_every": 0, "save_dir": "/ckpt"})
+    assert str(e.value) == 'DeepSpeed config "unickpt.memory_every": expected a positive integer or null, got int 0'
+    with pytest.raises(ValueError, match="signals must be names"):
+        UnickptConfig.from_block({"enabled": True, "persist_every": 5, "save_dir": "/ckpt", "signals": ["SIGKILL"]})
 
 
 def test_misspelled_block_name_is_warned_about(caplog):
@@ -231,3 +249,20 @@ def test_fp16_is_refused_with_a_clear_error():
     with pytest.raises(NotImplementedError) as e:
         UnickptCheckpointEngine(FP16Config(), UnickptConfig(enabled=True))
     assert str(e.value).startswith('DeepSpeed config "unickpt": fp16 training is not supported')
+
+
+def test_memory_tiers_through_the_json_block(tmp_path):
+    """"memory_every" in the block: engine.step() saves to memory every optimizer step; a fresh engine's
+    load_checkpoint restores the last step from memory bitwise; a SIGUSR1 to one rank makes every rank
+    save that step (docs/tiers.md)."""
+    import shutil
+    import tempfile
+
+    mem = tempfile.mkdtemp(prefix="unickpt-test-ds-tiers-", dir="/dev/shm")
+    try:
+        os.environ["UNICKPT_MEMORY_DIR"] = mem
+        log = torchrun(2, WORKER, "tiers", str(tmp_path))
+    finally:
+        os.environ.pop("UNICKPT_MEMORY_DIR", None)
+        shutil.rmtree(mem, ignore_errors=True)
+    assert log.count("OK tiers ws=2") == 2, log[-3000:]

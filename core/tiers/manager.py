@@ -1,0 +1,375 @@
+"""``Tiers``: the memory tiers of one :class:`~unickpt.Checkpointer` and its per-step agreement.
+
+What runs where (every rank of the checkpointer's group):
+
+- **construction** (caller's thread, collective): two private gloo groups (:class:`~unickpt.dist.comm.Comm`:
+  *plan* for the caller's thread, *background* for the peer threads), **2 collectives** to learn every
+  rank's node (:mod:`.placement`), the signal handlers (:mod:`.signals`), this rank's memory saver
+  (a :class:`~unickpt.saving.saver.Saver` of this process alone: the staging rings, drain threads and
+  commit thread of the save path, writing ``SaveOptions.partial`` checkpoints into tmpfs) and the peer
+  threads (:mod:`.peer`).
+- **per step** (:meth:`Tiers.agree`, caller's thread): **1 collective**, an all-reduce of two integers:
+  whether any rank has received a preemption notice, and the job's *watermark*, the newest step that
+  every rank has committed in memory (and, with tier 1, whose copy its holder has received). Then
+  retention (:func:`~unickpt.tiers.layout.retain_steps`): each rank keeps its newest
+  ``memory_keep`` copies per tier and the newest one at or below the watermark, so that a rank one step
+  ahead never deletes the job's last common step; nothing grows over time.
+- **memory save** (:meth:`Tiers.memory_save`): the caller's thread takes the snapshot (the stall: the
+  copy into the staging ring, as for a persistent save); the drain threads checksum and write it to
+  ``own/rank_<r>_of_<W>/step_<N>/`` in this node's memory directory and the commit thread writes its
+  ``metadata.json``, with no collective; then the peer send thread copies it to the holder.
+- **recovery** (:meth:`Tiers.recover`, caller's thread, collective): :mod:`.recovery`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..dist.comm import Comm
+from ..loading.loader import Loader
+from ..loading.stats import LoadStats
+from ..options import LoadOptions, SaveOptions, TierOptions
+from ..saving.saver import Saver
+from .layout import SPARE_DIR, MemoryLayout, dir_bytes, recycle_into, remove_tree, retain_steps
+from .peer import PeerCopier
+from .placement import Placement
+from .recovery import Recovery, RecoveryResult
+from .signals import PreemptionNotice
+
+__all__ = ["Tiers", "Agreement", "finish_all"]
+
+log = logging.getLogger("unickpt")
+
+_LIVE: "weakref.WeakSet[Tiers]" = weakref.WeakSet()
+MAX_SPARES = 1  # data files of removed copies kept for the next memory save (in-place staging)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The outcome of one step's agreement, equal on every rank: ``preempt`` (some rank received a
+    preemption notice), ``watermark`` (the newest step every rank can restore from memory, or None)
+    and ``seconds`` (this rank's time in the call)."""
+
+    preempt: bool
+    watermark: int | None
+    seconds: float
+
+
+class _Done:
+    """The handle of a copy that needs no save (committed already)."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+
+class Tiers:
+    """The memory tiers and the per-step agreement of one checkpointer (see the module docstring).
+
+    Args:
+        root: the persistent root (names this run's memory directory).
+        options: validated :class:`~unickpt.TierOptions`.
+        process_group: the ranks taking part (default: the world); construction is collective.
+        save_options: the checkpointer's save options (memory saves use them, as partial, buffered
+            saves in this process alone).
+        timeout_s: deadline of each collective and transfer.
+        local_world_size: ranks on this host (sizes the default staging ring).
+    """
+
+    def __init__(self, root: str, options: TierOptions, *, process_group: Any = None,
+                 save_options: SaveOptions | None = None, timeout_s: float = 1800.0,
+                 local_world_size: int | None = None):
+        self.options = options
+        self.comm = Comm(process_group, timeout_s)
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        nodes = [json.loads(b) for b in self.comm.all_gather_bytes(json.dumps(options.node_id).encode(),
+                                                                    self.comm.plan_group)]
+        self.placement = Placement(nodes)
+        self.node = nodes[self.rank]
+        self.layout = MemoryLayout(str(options.memory_dir), str(root))
+        self.notice = PreemptionNotice(tuple(options.signals))
+        self.memory = options.memory_every is not None
+        self.saver: Saver | None = None
+        self.loader: Loader | None = None
+        self.peer: PeerCopier | None = None
+        self._own_newest = -1  # newest committed own memory step (commit thread writes, caller reads)
+        self._handles: deque = deque()
+        self._memory_saves = 0
+        self._first_bytes: int | None = None
+        self._lock = threading.Lock()
+        self._retain_lock = threading.Lock()
+        self.skipped = 0  # memory saves skipped (no room, or a failure)
+        self.agree_s: deque = deque(maxlen=1000)  # seconds of the recent agreements
+        self.last_agreement: Agreement | None = None
+        self.closed = False
+        if self.memory:
+            self.layout.ensure(self.node)
+            base = save_options or SaveOptions()
+            own_root = self.layout.rank_root("own", self.rank, self.world_size)
+            self._spare_dir = os.path.join(own_root, SPARE_DIR)
+            os.makedirs(self._spare_dir, exist_ok=True)
+            self.memory_options = base.with_(partial=True, direct_io=False, upload_to=None, upload_options=None,
+                                             writer="thread", check_replicas="off", segment_bytes=1 << 50,
+                                             in_place=self._spare_dir)
+            self.saver = Saver(Comm.solo(), self.memory_options, uuid.uuid4().hex, local_world_size=local_world_size,
+                               timeout_s=timeout_s)
+            self.loader = Loader(Comm.solo())
+            peer = options.peer and self.placement.node_count > 1
+            if options.peer and not peer and self.rank == 0:
+                log.warning("unickpt: every rank is on one node (%s): no peer tier (tier 1); memory copies "
+                            "survive process crashes, not the loss of the node", self.node)
+            self.peer = PeerCopier(self.comm.background_group, self.comm.ranks, self.rank, self.world_size,
+                                   self.placement.holder[self.rank] if peer else None,
+                                   self.placement.senders(self.rank) if peer else [], self.layout, self._may_hold,
+                                   self._received)
+        _LIVE.add(self)
+
+    # -- the per-step agreement -----------------------------------------------------------------------
+    def _contribution(self) -> int:
+        own = self._own_newest
+        if self.peer is not None and self.peer.holder is not None and self.peer.broken is None:
+            return min(own, self.peer.sent_newest)
+        return own
+
+    def agree(self) -> Agreement:
+        """Caller's thread, every step (**1 collective**: an all-reduce of 2 int64 on the private plan
+        group): has any rank received a preemption notice, and the job's memory watermark."""
+        return self.finish_agreement(self.start_agreement())
+
+    def start_agreement(self) -> tuple:
+        """The first half of :meth:`agree`: post the all-reduce (asynchronously, so that a memory
+        snapshot can run while it travels and the ranks' arrival skew is hidden behind it)."""
+        t0 = time.perf_counter()
+        t = torch.tensor([1 if self.notice.flag else 0, -self._contribution()], dtype=torch.int64)
+        work = None
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.comm.plan_group, async_op=True)
+        return t0, t, work, time.perf_counter() - t0
+
+    def finish_agreement(self, pending: tuple) -> Agreement:
+        """The second half of :meth:`agree`: wait for the all-reduce, then retention. ``seconds`` of
+        the agreement counts the posting and this wait, not what ran between them."""
+        _, t, work, posted = pending
+        t1 = time.perf_counter()
+        if work is not None:
+            work.wait()
+        flag, mine = bool(t[0].item()), -int(t[1].item())
+        seconds = posted + time.perf_counter() - t1
+        self.agree_s.append(seconds)
+        agreement = Agreement(flag, mine if mine >= 0 else None, seconds)
+        self.last_agreement = agreement
+        if self.memory:
+            self._retain(agreement.watermark)
+        return agreement
+
+    def _busy(self, path: str) -> bool:
+        assert self.saver is not None
+        return self.saver.in_flight(path) or (self.peer is not None and self.peer.sending == path)
+
+    def _retain(self, watermark: int | None, own_only: bool = False) -> None:
+        """Retention (:func:`~unickpt.tiers.layout.retain_steps`) of this rank's copies and, unless
+        ``own_only``, of those it holds for its senders (caller's thread, or the commit thread)."""
+        keep = self.options.memory_keep
+        with self._retain_lock:
+            retain_steps(self.layout.rank_root("own", self.rank, self.world_size), keep, watermark, self._busy,
+                         recycle_into(self._spare_dir, MAX_SPARES))
+            if self.peer is not None and not own_only:
+                for s in self.peer.senders:
+                    retain_steps(self.layout.rank_root("peer", s, self.world_size), keep, watermark, lambda p: False)
+
+    # -- memory saves ----------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a memory step (``step % memory_every == 0``)."""
+        return self.memory and step % int(self.options.memory_every) == 0  # type: ignore[arg-type]
+
+    def memory_bytes(self) -> dict:
+        """The memory this rank's tiers hold now, bytes: ``own`` (its tier 0 copies), ``peer`` (the
+        copies it holds for ranks of other nodes), ``staging`` (the memory saver's staging rings)."""
+        if not self.memory:
+            return {"own": 0, "peer": 0, "staging": 0}
+        assert self.saver is not None
+        own = dir_bytes(self.layout.rank_root("own", self.rank, self.world_size))
+        peer = sum(dir_bytes(self.layout.rank_root("peer", s, self.world_size))
+                   for s in (self.peer.senders if self.peer is not None else []))
+        staging = sum(p.capacity_bytes for p in self.saver.pipeline.pools)
+        return {"own": own, "peer": peer, "staging": staging}
+
+    def _held(self) -> int:
+        b = self.memory_bytes()
+        return b["own"] + b["peer"]
+
+    def _may_hold(self, sender: int, nbytes: int) -> bool:
+        limit = self.options.memory_limit_bytes
+        return limit is None or self._held() + nbytes <= limit
+
+    def _copy_bytes(self, state: dict) -> int:
+        """The expected size of a memory copy: the newest copy's, or the state's tensor bytes."""
+        newest = self.layout.committed("own", self.rank, self.world_size)
+        if newest:
+            return dir_bytes(self.layout.step_dir("own", self.rank, self.world_size, newest[-1]))
+        if self._first_bytes is None:
+            from ..state.flat import flatten
+
+            flat = flatten(state, for_load=False)
+            self._first_bytes = sum(leaf.local.numel() * leaf.local.element_size()
+                                    for fqn, leaf in flat.tensors.items() if fqn not in flat.aliases)
+        return self._first_bytes
+
+    def memory_save(self, step: int, state: dict, *, allow_pickle: bool = False) -> Any:
+        """Save ``state`` as memory step ``step`` of this rank (no collective; see the module
+        docstring) and schedule its peer copy. Returns the :class:`~unickpt.SaveHandle`, or None
+        when skipped (no room under ``memory_limit_bytes``, or the save could not start: logged).
+        Never raises for a failed memory save: training goes on, with the older copies."""
+        assert self.saver is not None
+        self._reap()
+        path = self.layout.step_dir("own", self.rank, self.world_size, step)
+        handle: Any = None
+        limit = self.options.memory_limit_bytes
+        if os.path.exists(os.path.join(path, "metadata.json")):
+            handle = _Done()  # restored or saved before: the copy is there
+        elif limit is not None and self._held() + self._copy_bytes(state) > limit:
+            self.skipped += 1
+            log.warning("unickpt: rank %d: memory save of step %d skipped: the memory tiers hold %d bytes, a copy "
+                        "takes about %d more, memory_limit_bytes is %d", self.comm.ranks[self.rank], step,
+                        self._held(), self._copy_bytes(state), limit)
+        else:
+            extra = {"tier": {"kind": "memory", "rank": self.rank, "world_size": self.world_size, "node": self.node}}
+            try:
+                handle = self.saver.save(path, state, async_save=True, step=int(step), extra=extra,
+                                         on_commit=lambda s=int(step): self._committed(s), allow_pickle=allow_pickle,
+                                         options=self.memory_options)
+                self._handles.append(handle)
+            except Exception as e:
+                self.skipped += 1
+                log.error("unickpt: rank %d: memory save of step %d failed: %s", self.comm.ranks[self.rank], step, e)
+                handle = None
+        if self.peer is not None and self._memory_saves % self.options.peer_every == 0:
+            self.peer.schedule(step, handle, path)
+        self._memory_saves += 1
+        return None if isinstance(handle, _Done) else handle
+
+    def _committed(self, step: int) -> None:
+        """Commit thread: a memory save committed; the copies it replaces go (with the last watermark)."""
+        with self._lock:
+            self._own_newest = max(self._own_newest, step)
+        last = self.last_agreement
+        try:
+            self._retain(last.watermark if last is not None else None, own_only=True)
+        except OSError as e:  # pragma: no cover - retention is retried at the next step
+            log.warning("unickpt: memory retention failed: %s", e)
+
+    def _received(self, sender: int) -> None:
+        """Receive thread: a peer copy landed; the copies it replaces go (with the last watermark)."""
+        last = self.last_agreement
+        with self._retain_lock:
+            retain_steps(self.layout.rank_root("peer", sender, self.world_size), self.options.memory_keep,
+                         last.watermark if last is not None else None, lambda p: False)
+
+    def _reap(self, wait: bool = False) -> None:
+        """Report finished memory saves that failed (a warning: the older copies stay)."""
+        while self._handles and (wait or self._handles[0].done()):
+            h = self._handles.popleft()
+            try:
+                h.wait()
+            except BaseException as e:
+                self.skipped += 1
+                log.warning("unickpt: memory save %s failed (older memory copies are kept): %s", h.path, e)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the memory saves and the peer copies in flight. False if ``timeout`` passed first."""
+        self._reap(wait=True)
+        return self.peer.wait_idle(timeout) if self.peer is not None else True
+
+    # -- recovery ----------------------------------------------------------------------------------------
+    def recover(self, state: dict | Callable[[str], dict], *, persisted: int | None, only: int | None = None,
+                strict: bool = True, allow_pickle: bool = False,
+                load_options: LoadOptions | None = None) -> RecoveryResult | None:
+        """Restore the newest memory step every rank has (collective; :mod:`.recovery`), not older than
+        ``persisted``. ``state``: the state to load into, or ``state(copy path)`` that builds it for a
+        copy (a plugin's template from the copy's metadata); the result's ``state`` is what was
+        loaded. Returns None (the caller loads from storage) when there is none. After a recovery
+        every copy newer than the restored step is removed (another future)."""
+        if not self.memory:
+            return None
+        assert self.loader is not None
+        self.wait()
+        opts = (load_options or LoadOptions()).with_(verify=True, redistribute=False)
+        loader = self.loader
+        loaded: dict = {}
+
+        def load_copy(path: str) -> LoadStats:
+            target = state(path) if callable(state) else state
+            stats = loader.load(path, target, strict=strict, allow_pickle=allow_pickle, options=opts)
+            loaded["state"] = target
+            return stats
+
+        recovery = Recovery(self.comm, self.placement, self.layout, load_copy)
+        result = recovery.run(persisted, only)
+        step = result.step if result is not None else persisted
+        if step is not None and self.placement.leader(self.rank) == self.rank:
+            self.layout.remove_newer(self.world_size, step)
+            self.layout.remove_other_layouts(self.world_size)
+        if result is not None:
+            result.state = loaded.get("state")
+            with self._lock:
+                self._own_newest = max(self._own_newest, result.step)  # the restored step is committed here
+        return result
+
+    def forget_newer(self, step: int) -> None:
+        """After a load of ``step`` from storage: remove this node's memory copies of later steps
+        (the node's lowest rank; no collective)."""
+        if self.memory and self.placement.leader(self.rank) == self.rank:
+            self.layout.remove_newer(self.world_size, step)
+        with self._lock:
+            self._own_newest = min(self._own_newest, step)
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    def close(self, timeout: float = 60.0) -> None:
+        """Wait for the memory saves and peer copies (at most ``timeout`` seconds for the copies), stop
+        the threads, free the staging memory, put the signal handlers back and destroy the private
+        groups. The memory copies stay (a restart may need them; ``clear_memory`` removes them)."""
+        if self.closed:
+            return
+        self.closed = True
+        idle = True
+        try:
+            self._reap(wait=True)
+            if self.peer is not None:
+                idle = self.peer.close(timeout)
+            if self.saver is not None:
+                self.saver.close()
+        finally:
+            self.notice.close()
+            if idle:
+                self.comm.close()
+            else:
+                log.warning("unickpt: a peer copy is still blocked (a peer is gone); its group is left open")
+            _LIVE.discard(self)
+
+    def clear_memory(self) -> None:
+        """Remove this rank's memory copies and those it holds for its senders (no collective)."""
+        remove_tree(self.layout.rank_root("own", self.rank, self.world_size))
+        if self.peer is not None:
+            for s in self.peer.senders:
+                remove_tree(self.layout.rank_root("peer", s, self.world_size))
+
+
+def finish_all() -> None:
+    """Close every live :class:`Tiers` of this process (before its process group goes:
+    ``destroy_process_group`` and interpreter exit, :mod:`unickpt.teardown`)."""
+    for tiers in list(_LIVE):
+        try:
+            tiers.close(timeout=30.0)
+        except Exception as e:  # pragma: no cover - teardown goes on
+            log.error("unickpt: closing the memory tiers failed: %s", e)
