@@ -454,13 +454,14 @@ class Bench:
         self.optim.zero_grad(set_to_none=True)
         return wait
 
-    def load(self, system: str, path: str) -> None:
-        """Load ``path`` (written by ``system``'s save) into the live model and optimizer."""
+    def load(self, system: str, path: str) -> dict | None:
+        """Load ``path`` (written by ``system``'s save) into the live model and optimizer; unickpt's
+        ``LoadStats`` as a dict."""
         import unickpt
 
         if system == "unickpt":
-            unickpt.load(path, self.unickpt_state)
-        elif system == "dcp":
+            return unickpt.load(path, self.unickpt_state).as_dict()
+        if system == "dcp":
             import torch.distributed.checkpoint as dcp
 
             dcp.load(self.dcp_state, checkpoint_id=path)
@@ -472,6 +473,7 @@ class Bench:
             set_state_dict(self.model, self.optim, model_state_dict=out["model"], optim_state_dict=out["optim"])
         else:
             raise ValueError(system)
+        return None
 
 
 def _tc_manager(rank: int) -> Any:
@@ -677,7 +679,36 @@ def scenario_train(cfg: dict) -> list[dict] | None:
         if rec is not None:
             baseline = rec["step_time_s"] if s == "none" else baseline
             out.append(rec)
+    parts = _call_parts(b)
+    if b.rank == 0:
+        out.append(_record("unickpt-async-overlap", "call-parts", b.ws, b.state_bytes, **parts))
     return out if b.rank == 0 else None
+
+
+def _call_parts(b: Bench, repeats: int = 10) -> dict:
+    """What a save call costs the caller's thread, by part (medians of ``repeats``, slowest rank): the
+    sharded state dicts (``get_state_dict``: every system's call includes it: DCP's and torchtitan's
+    wrappers, torch_checkpointing's payload, unickpt's flatten), unickpt's flatten (that plus its walk
+    over the leaves), and unickpt's whole caller's part of an overlap-mode save (flatten, leaf checks,
+    the optimizer-owned tensors, the local plan and its signature; no collective)."""
+    from unickpt.saving.snapshot import take_snapshot
+    from unickpt.state.flatten import flatten
+
+    fns = {"get_state_dict_s": b.state_dicts,
+           "unickpt_flatten_s": lambda: flatten(b.unickpt_state, for_load=False),
+           "unickpt_snapshot_call_s": lambda: take_snapshot(b.unickpt_state, rank=b.rank, world_size=b.ws,
+                                                            snapshot_mode="overlap", allow_pickle=False,
+                                                            clone_limit=64 << 20)}
+    out = {}
+    for name, fn in fns.items():
+        xs = []
+        for _ in range(repeats):
+            b.dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            xs.append(max(_gather(time.perf_counter() - t0)))
+        out[name] = _med(xs)
+    return out
 
 
 def _train_loop(b: Bench, cfg: dict, s: str, saves: int, warmup: bool, baseline: float | None = None) -> dict | None:
@@ -908,7 +939,7 @@ def scenario_load(cfg: dict) -> list[dict] | None:
         path = last.get(key)
         if path is None:
             continue
-        cold, warm, resident = [], [], []
+        cold, warm, resident, stats = [], [], [], []
         ok, why_not_cold = True, None
         for it in range(max(1, cfg["repeats"])):
             for mode in ("cold", "warm"):
@@ -919,9 +950,11 @@ def scenario_load(cfg: dict) -> list[dict] | None:
                     _zero(b)
                 b.dist.barrier()
                 t0 = time.perf_counter()
-                b.load(system, path)
+                st = b.load(system, path)
                 dt = max(_gather(time.perf_counter() - t0))
                 (cold if mode == "cold" else warm).append(dt)
+                if st is not None and mode == "cold":
+                    stats.append(_gather(st))
                 if it == 0 and mode == "cold":
                     now = _snapshot(b)
                     ok = all(_gather(now.keys() == ref.keys() and all(torch.equal(now[k], ref[k]) for k in ref)))
@@ -930,7 +963,9 @@ def scenario_load(cfg: dict) -> list[dict] | None:
                                load_cold_s=None if why_not_cold else _med(cold), load_warm_s=_med(warm),
                                cold_samples_s=[round(x, 4) for x in cold], warm_samples_s=[round(x, 4) for x in warm],
                                cached_before_cold=max(resident) if not why_not_cold else None,
-                               cold_cache=why_not_cold or "dropped", verified=ok))
+                               cold_cache=why_not_cold or "dropped", verified=ok,
+                               **({"cold_stages_max_s": {k: round(max(st[k] for st in stats[0]), 4) for k in
+                                                         ("plan_s", "read_s", "copy_s", "total_s")}} if stats else {})))
     return out if b.rank == 0 else None
 
 
@@ -1209,6 +1244,9 @@ def targets(records: list[dict], disk_gbps: float) -> list[dict]:
                                   if s != "none" and get(s, "train", "stall_s") is not None}
             t["train_stall_unickpt_best"], t["train_stall_peer_best"] = ub, pb
             t["stall_not_above_any_peer"] = ubs <= pbs
+        cp = by.get(("unickpt-async-overlap", "call-parts", ws))
+        if cp:  # the caller's part of a save call, by part (the stall's floor)
+            t["call_parts_s"] = {k: cp.get(k) for k in ("get_state_dict_s", "unickpt_flatten_s", "unickpt_snapshot_call_s")}
         ts, tss = get("torch.save", "save", "stall_s"), get("torch.save-sharded", "save", "stall_s")
         if ts and ubs:
             t["stall_torch_save_over_unickpt"] = round(ts / ubs, 1)
