@@ -124,6 +124,7 @@ DCP_CACHED_STAGING = dict(use_pinned_memory=False, use_shared_memory=False, use_
                           use_non_blocking_copy=False)
 DCP_PROCESS_STAGING = dict(use_pinned_memory=False, use_shared_memory=True, use_async_staging=True,
                            use_non_blocking_copy=False)
+DCP_WRITER = dict(thread_count=1)  # FileSystemWriter options of dcp-async-cached / dcp-async-process
 TC_CONFIG = dict(use_pinned_memory=False, use_non_blocking_copy=False, use_shared_memory=True, use_direct_io=False,
                  file_write_max_threads=2, use_mmap=True, fsync=True)
 _OPTION_FIELDS = ("direct_io", "writer", "snapshot", "flat_ranges", "background_nice")
@@ -423,7 +424,8 @@ class Bench:
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
             process = system == "dcp-async-process"
-            resp = dcp.async_save(self.dcp_state, checkpoint_id=path, process_group=self.pg_dcp,
+            resp = dcp.async_save(self.dcp_state, storage_writer=dcp.FileSystemWriter(path, **DCP_WRITER),
+                                  process_group=self.pg_dcp,
                                   async_stager=self.peer(system) if process else self.stager,
                                   async_checkpointer_type=AsyncCheckpointerType.PROCESS if process
                                   else AsyncCheckpointerType.THREAD)
