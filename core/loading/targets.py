@@ -13,7 +13,7 @@ import torch
 from ..format.dtypes import str_to_dtype
 from ..format.metadata import CheckpointMetadata, ChunkMeta
 from ..geometry import Box, ChunkIndex, FlatRange, Piece, byte_runs, chunk_pieces
-from ..state.flatten import TensorLeaf
+from ..state.flat import TensorLeaf
 
 __all__ = ["ChunkTable", "Overlap", "TargetReads", "merge_ranges", "piece_runs", "widen_to_blocks", "narrowed",
            "target_views"]
@@ -24,6 +24,7 @@ class ChunkTable:
 
     def __init__(self, meta: CheckpointMetadata):
         self.chunks: list[tuple[ChunkMeta, torch.dtype]] = []
+        self.fqns: list[str] = []  # the stored tensor of each chunk id
         self.by_fqn: dict[str, list[tuple[int, ChunkMeta]]] = {}
         for fqn in sorted(meta.tensors):
             t = meta.tensors[fqn]
@@ -32,6 +33,7 @@ class ChunkTable:
             for c in t.chunks:
                 self.by_fqn[fqn].append((len(self.chunks), c))
                 self.chunks.append((c, dtype))
+                self.fqns.append(fqn)
 
 
 @dataclass
