@@ -202,6 +202,7 @@ class SavePipeline:
             else:
                 cap = self.ring_bytes(opts)
                 run.pool.reserve(min(stream_len, cap), pin=pin, shared=backend.kind == "process", limit=cap)
+                run.pool.prefault(stream_len)  # a fresh ring (a first save): its pages faulted in beside the copies
             run.pool.begin()
             stats.pool_capacity, stats.pool_allocations, stats.pool_index = (run.pool.capacity_bytes,
                                                                              run.pool.allocations, run.pool.index)

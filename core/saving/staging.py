@@ -9,6 +9,13 @@ staged (D2H copies are then DMA on a side stream), and lives in a ``memfd`` when
 must see it. A state larger than the ring streams through it: :meth:`StagingPool.acquire` blocks
 the stager until the writer has freed the space (``pool_bytes`` bounds the memory, not the state).
 
+A ring's first use (the first save of a run, and the first save that finds the other ring still
+draining) pays for the page faults: the kernel zeroes every new page before a copy can land in it,
+which makes a copy into fresh memory several times slower than into resident memory (the ``first``
+records of ``benchmarks/results/save_load.json``: ``stages_max_s[0].stage_s`` of a run's first save
+against its second). :meth:`StagingPool.prefault` has a helper thread fault the ring in ahead of the
+stager, on another core where there is one.
+
 The engine keeps two pools (ping-pong): a save stages into a free one while the previous save
 drains the other.
 
@@ -21,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import sys
 import threading
 import time
 from typing import Callable
@@ -87,6 +95,9 @@ class StagingPool:
         self._send: torch.Tensor | None = None
         self._registered = False
         self.file: str | None = None  # the data file this ring is (in-place staging), while mapped
+        self._fresh = False  # allocated and not yet faulted in
+        self._prefaulter: threading.Thread | None = None
+        self._stop_prefault = threading.Event()
 
     @property
     def capacity_bytes(self) -> int:
@@ -126,6 +137,7 @@ class StagingPool:
                 self._registered = True
         self.pinned, self.shared = pin, shared
         self.allocations += 1
+        self._fresh = not self._registered  # cudaHostRegister faulted every page in already
         return True
 
     def reserve_file(self, path: str, nbytes: int) -> bool:
@@ -156,7 +168,38 @@ class StagingPool:
         if self.file is not None:
             self._release_memory()
 
+    def prefault(self, nbytes: int) -> bool:
+        """A freshly allocated ring: fault in its first ``nbytes`` from a helper thread while the stager
+        copies into it, from :data:`PREFAULT_AHEAD_BYTES` on (the stager faults the start itself). The
+        kernel zeroes each new page before a copy can land in it; done on another core, the stager's
+        copies find the pages resident. ``MADV_POPULATE_WRITE`` only faults pages in, it never writes
+        to them, so it can run beside the copies; without it (Linux < 5.14) nothing is done. Returns
+        True if the helper started."""
+        if not self._fresh or self._tensor is None:
+            return False
+        self._fresh = False
+        end = min(nbytes, self.capacity_bytes)
+        if end <= PREFAULT_AHEAD_BYTES or _madvise is None:
+            return False
+        self._stop_prefault.clear()
+        self._prefaulter = threading.Thread(target=self._populate, args=(self._tensor.data_ptr(), end),
+                                            name=f"unickpt-prefault-{self.index}", daemon=True)
+        self._prefaulter.start()
+        return True
+
+    def _populate(self, base: int, end: int) -> None:
+        step = PREFAULT_STEP_BYTES
+        for off in range(PREFAULT_AHEAD_BYTES, end, step):
+            if self._stop_prefault.is_set():
+                return
+            if _madvise(base + off, min(step, end - off), MADV_POPULATE_WRITE) != 0:
+                return  # EINVAL: not supported here; ENOMEM etc.: leave the rest to the stager
+
     def _release_memory(self) -> None:
+        if self._prefaulter is not None:  # never advise memory that is being unmapped
+            self._stop_prefault.set()
+            self._prefaulter.join()
+            self._prefaulter = None
         self.file = None
         if self._registered and self._tensor is not None:
             torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr())
@@ -227,6 +270,23 @@ class StagingPool:
     def close(self) -> None:
         self._release_memory()
         self._send = None
+
+
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without writing to them
+PREFAULT_AHEAD_BYTES = 64 << 20
+PREFAULT_STEP_BYTES = 32 << 20
+
+
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # pragma: no cover - not a POSIX libc
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_madvise = _libc_madvise() if sys.platform.startswith("linux") else None
 
 
 def _cuda_host_register(t: torch.Tensor) -> None:

@@ -110,6 +110,7 @@ class Tiers:
         self.skipped = 0  # memory saves skipped (no room, or a failure)
         self.agree_s: deque = deque(maxlen=1000)  # seconds of the recent agreements
         self.last_agreement: Agreement | None = None
+        self._agreeing = False  # between start_agreement and finish_agreement: last_agreement is stale
         self.closed = False
         if self.memory:
             self.layout.ensure(self.node)
@@ -149,6 +150,8 @@ class Tiers:
         """The first half of :meth:`agree`: post the all-reduce (asynchronously, so that a memory
         snapshot can run while it travels and the ranks' arrival skew is hidden behind it)."""
         t0 = time.perf_counter()
+        with self._lock:
+            self._agreeing = True
         t = torch.tensor([1 if self.notice.flag else 0, -self._contribution()], dtype=torch.int64)
         work = None
         if self.world_size > 1:
@@ -168,7 +171,8 @@ class Tiers:
         seconds = posted + time.perf_counter() - t1
         self.agree_s.append(seconds)
         agreement = Agreement(flag, mine if mine >= 0 else None, seconds)
-        self.last_agreement = agreement
+        with self._lock:
+            self.last_agreement, self._agreeing = agreement, False
         if self.memory:
             self._retain(agreement.watermark)
         return agreement
@@ -263,7 +267,9 @@ class Tiers:
         """Commit thread: a memory save committed; the copies it replaces go (with the last watermark)."""
         with self._lock:
             self._own_newest = max(self._own_newest, step)
-        last = self.last_agreement
+            if self._agreeing:  # a newer watermark is on its way: finish_agreement retains with it
+                return
+            last = self.last_agreement
         try:
             self._retain(last.watermark if last is not None else None, own_only=True)
         except OSError as e:  # pragma: no cover - retention is retried at the next step

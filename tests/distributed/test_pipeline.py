@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import threading
 import time
 
@@ -143,6 +144,42 @@ def test_ring_blocks_until_freed_and_aborts():
     t.join(5)
     assert errors and "writer failed" in str(errors[0].value)
     pool.close()
+
+
+def _resident_pages(t: torch.Tensor) -> list[bool]:
+    """Per page of ``t`` (page aligned), whether it is resident (``mincore``)."""
+    import ctypes
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    n = -(-t.numel() // page)
+    vec = (ctypes.c_ubyte * n)()
+    assert ctypes.CDLL(None).mincore(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(t.numel()), vec) == 0
+    return [bool(v & 1) for v in vec]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_fresh_ring_is_faulted_in_ahead_of_the_stager_without_writing_to_it():
+    # issue #21 (first saves): a fresh ring's pages are faulted in by a helper thread from 64 MiB on,
+    # while the stager copies into the start; what the stager wrote is never touched
+    from unickpt.saving import staging
+
+    pool = StagingPool(0)
+    pool.reserve(192 << 20)
+    ring = pool.region(0, 192 << 20)[0]
+    ring[(100 << 20) : (101 << 20)].fill_(42)  # bytes staged already, beyond the helper's start
+    assert pool.prefault(192 << 20)
+    pool._prefaulter.join(30)
+    resident = _resident_pages(ring)
+    page = os.sysconf("SC_PAGE_SIZE")
+    if not all(resident[(64 << 20) // page :]):
+        pytest.skip("MADV_POPULATE_WRITE is not supported by this kernel (Linux < 5.14)")
+    assert not any(resident[: (32 << 20) // page])  # the stager's part is left to the stager
+    assert bool((ring[(100 << 20) : (101 << 20)] == 42).all())
+    assert not pool.prefault(192 << 20)  # once per allocation
+    pool.reserve(256 << 20)  # grown: fresh again
+    assert pool.prefault(256 << 20)
+    pool.close()  # stops and joins the helper before the memory goes
+    assert pool._prefaulter is None
 
 
 @pytest.mark.parametrize("make", [lambda: torch.arange(60.0).reshape(6, 10).t(), lambda: torch.tensor(2.5),
