@@ -28,7 +28,8 @@ Scenarios:
 * ``memory``: each rank's shared memory after the memory blocks (own copies, peer copies, staging
   ring) against its state bytes.
 * ``flag``: the per-step agreement (the preemption flag, with tiers also the memory watermark and
-  retention) timed alone, ``--flag-calls`` calls back to back after a barrier: median / p90 per call
+  retention) timed alone, ``--flag-calls`` calls after a barrier with ``--flag-step-ms`` of compute
+  between two calls (a training step, behind which the pipelined all-reduce travels): median / p90 per call
   (the slowest rank's median), for a checkpointer with memory tiers and one with ``persist_every`` only.
 * ``load``: step ``S`` saved to memory and persistently (local disk) at once, then, ``--repeats``
   times, round robin: the ``Checkpointer.load`` call restoring from tier 0 (every rank's node memory),
@@ -75,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="rounds of training blocks (default 2; --quick 1)")
     p.add_argument("--repeats", type=int, default=None, help="load repeats per tier (default 3; --quick 2)")
     p.add_argument("--flag-calls", type=int, default=300)
+    p.add_argument("--flag-step-ms", type=float, default=20.0,
+                   help="compute between two agreement calls (a training step; the all-reduce is pipelined "
+                        "behind it), ms")
     p.add_argument("--systems", default=",".join(TRAIN_SYSTEMS))
     p.add_argument("--scenarios", default="train,memory,flag,load,restart")
     p.add_argument("--dir", default=None, help="where the persistent checkpoints go (default: the temp dir)")
@@ -228,18 +232,23 @@ def w_memory(cfg: dict) -> dict:
     return out
 
 
-def w_flag(cfg: dict, system: str, calls: int) -> dict:
+def w_flag(cfg: dict, system: str, calls: int, step_s: float) -> dict:
     import save_load
+    import torch
 
     b = save_load._bench(cfg)
     ck = _ckpt(cfg, system)
     tiers = ck.tiers
+    x = torch.randn(256, 256)
     b.dist.barrier()
     times = []
     for _ in range(calls):
         t0 = time.perf_counter()
         tiers.agree()
         times.append(time.perf_counter() - t0)
+        end = time.perf_counter() + step_s  # a training step's compute between two calls
+        while time.perf_counter() < end:
+            x = torch.tanh(x @ x * 1e-3)
     return {"median_s": statistics.median(times), "p90_s": _p90(times), "mean_s": statistics.fmean(times)}
 
 
@@ -422,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{rec['max_shm_over_state']}x): {per}")
             if "flag" in args.scenarios:
                 for system in ("flag-only", "memory"):
-                    per = pool.run(w_flag, cfg, system, args.flag_calls)
+                    per = pool.run(w_flag, cfg, system, args.flag_calls, args.flag_step_ms / 1e3)
                     rec = {"system": system, "scenario": "flag", "world_size": ws, "calls": args.flag_calls,
                            "median_s": round(max(p["median_s"] for p in per), 6),
                            "p90_s": round(max(p["p90_s"] for p in per), 6), "per_rank": per}

@@ -115,7 +115,8 @@ class Checkpointer:
         memory watermark); it makes a memory save when ``step`` is a multiple of ``memory_every``, a
         persistent one when it is a multiple of ``persist_every`` or ``persist=True``, and, when any
         rank has received a preemption notice, a synchronous persistent save of ``step`` on every rank
-        (then :attr:`preempted` is True: leave the training loop). Returns the persistent save's
+        (then :attr:`preempted` is True: leave the training loop; with more than one rank the notice
+        acts one call after it was taken, as the all-reduce is pipelined behind a training step). Returns the persistent save's
         handle, else the memory save's, else None (nothing due at this step).
 
         An earlier async save still in flight keeps draining; this one stages into the other
