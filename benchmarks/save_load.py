@@ -694,7 +694,7 @@ def _call_parts(b: Bench, repeats: int = 10) -> dict:
     over the leaves), and unickpt's whole caller's part of an overlap-mode save (flatten, leaf checks,
     the optimizer-owned tensors, the local plan and its signature; no collective)."""
     from unickpt.saving.snapshot import take_snapshot
-    from unickpt.state.flatten import flatten
+    from unickpt.state.flat import flatten
 
     fns = {"get_state_dict_s": b.state_dicts,
            "unickpt_flatten_s": lambda: flatten(b.unickpt_state, for_load=False),
