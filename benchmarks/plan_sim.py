@@ -454,7 +454,7 @@ def measure_load(meta: CheckpointMetadata, targets: list[LocalPlan], *, verify: 
                 if split is not None:
                     need.splits[fqn] = split
                 need.ranges.update(ranges)
-            doc = needs_doc(need, table)
+            doc = needs_doc(need, table, verify)
             need_s.append(_clock() - t0)
             got = cache[id(p.tensors)] = (doc, need.ranges)
         doc, ranges = got
@@ -470,7 +470,7 @@ def measure_load(meta: CheckpointMetadata, targets: list[LocalPlan], *, verify: 
         if not all_ranks:
             gc.collect()
         t0 = _clock()
-        mine = plan_reads(r, table, firsts, docs, ranges_of[r], verify)
+        mine = plan_reads(r, table, firsts, docs, ranges_of[r])
         plan_s.append(_clock() - t0)
         segments = max(segments, len(mine))
         bytes_read += sum(s.length for s in mine if s.reader == r)

@@ -115,12 +115,18 @@ class EvenSplit:
         if spec is None or world < 2 or not shape or 0 in shape or isinstance(spec, FlatRange):
             return None
         for d in range(len(shape)):
-            split = _SPLITS.get((d, world))
-            if split is None:
-                split = _SPLITS[(d, world)] = EvenSplit(d, world)
+            split = EvenSplit.of(d, world)
             if split.part(shape, rank) == spec:
                 return split
         return None
+
+    @staticmethod
+    def of(dim: int, parts: int) -> "EvenSplit":
+        """``EvenSplit(dim, parts)``, one object per value (planners compare them by identity first)."""
+        split = _SPLITS.get((dim, parts))
+        if split is None:
+            split = _SPLITS[(dim, parts)] = EvenSplit(dim, parts)
+        return split
 
 
 _SPLITS: dict[tuple[int, int], EvenSplit] = {}

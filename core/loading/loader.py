@@ -163,29 +163,30 @@ class Loader:
         me = self.comm.rank
         first_of: dict[str, int] = {}
         firsts = [first_of.setdefault(k, r) for r, k in enumerate(key)]
-        mine = needs_doc(need, table) if firsts[me] == me else b""
+        mine = needs_doc(need, table, verify) if firsts[me] == me else b""
         blobs = self.comm.all_gather_bytes(mine, self.comm.plan_group)
-        plan = plan_reads(me, table, firsts, {r: json.loads(blobs[r]) for r in set(firsts)}, need.ranges, verify)
+        plan = plan_reads(me, table, firsts, {r: json.loads(blobs[r]) for r in set(firsts)}, need.ranges)
         self.plans.put(key, plan)
         return plan
 
 
-def needs_doc(need: TargetReads, table: ChunkTable) -> bytes:
-    """What a rank sends to the read plan: its listed needs ``{"n": [[chunk id, ranges]]}`` and its
-    split targets ``{"s": {stored fqn: [dim, parts]}}`` (their needs are implied), as compact JSON."""
+def needs_doc(need: TargetReads, table: ChunkTable, verify: bool) -> bytes:
+    """What a rank sends to the read plan: its listed needs ``{"n": [[chunk id, ranges]]}``, its
+    split targets ``{"s": {stored fqn: [dim, parts]}}`` (their needs are implied) and whether its
+    ranges are widened to checksum blocks (``"v"``), as compact JSON."""
     listed = [(cid, rs) for cid, rs in need.ranges.items() if table.locate(cid)[0] not in need.splits]
-    return json.dumps({"n": listed, "s": {f: [sp.dim, sp.parts] for f, sp in need.splits.items()}},
+    return json.dumps({"n": listed, "s": {f: [sp.dim, sp.parts] for f, sp in need.splits.items()}, "v": verify},
                       separators=(",", ":")).encode()
 
 
-def plan_reads(me: int, table: ChunkTable, firsts: list[int], docs: dict[int, dict], my_ranges: dict,
-               verify: bool) -> list[Segment]:
+def plan_reads(me: int, table: ChunkTable, firsts: list[int], docs: dict[int, dict], my_ranges: dict) -> list[Segment]:
     """Rank ``me``'s part of the zero-redundancy read plan (the segments it reads or needs, sorted by
     chunk id and start), from every rank's needs: rank ``r``'s are ``docs[firsts[r]]`` (a
-    :func:`needs_doc`; ranks sharing a doc are planned as one group). Splits every rank declared alike
-    are planned chunk by chunk for the chunks ``me`` needs (``my_ranges``), O(its chunks x their
-    needers); a split only some ranks declared is listed for them (O(ranks) for that tensor).
-    Deterministic: every rank derives consistent parts of one plan."""
+    :func:`needs_doc`; ranks sharing a doc are planned as one group). A split every rank with a
+    non-empty part declared (:func:`_agreed_splits`) is planned chunk by chunk for the chunks ``me``
+    needs (``my_ranges``), O(its chunks x their needers); a split only some ranks declared is listed
+    for them (O(ranks) for that tensor). Deterministic: every rank derives consistent parts of one
+    plan. Costs O(listed needs of the distinct docs + this rank's chunks of split targets)."""
     splits = _agreed_splits(table, docs, firsts)
     decoded = {f: {int(cid): list(map(tuple, rs)) for cid, rs in doc["n"]} for f, doc in docs.items()}
     per_rank: list[dict] = []
@@ -199,10 +200,11 @@ def plan_reads(me: int, table: ChunkTable, firsts: list[int], docs: dict[int, di
             split = EvenSplit(int(dim), int(parts))
             for k in _chunks_of(table, fqn, split, r):
                 cid = table.base[fqn] + k
-                own[cid] = split_needs(table, fqn, cid, split, verify, only=r)[r]
+                own[cid] = split_needs(table, fqn, cid, split, docs[f]["v"], only=r)[r]
         per_rank.append(own)
     plan = segments_of(me, make_read_plan(per_rank))
     if splits:
+        verify = docs[firsts[me]]["v"]  # the same on every rank (or nothing is agreed)
         for cid in sorted(my_ranges):  # the chunks of split targets this rank needs, planned chunk by chunk
             fqn = table.locate(cid)[0]
             split = splits.get(fqn)
@@ -225,7 +227,9 @@ def _agreed_splits(table: ChunkTable, docs: dict[int, dict], firsts: list[int]) 
         for fqn, (d, p) in doc["s"].items():
             declared.setdefault(fqn, []).append((EvenSplit(int(d), int(p)), f))
         listed.update(table.locate(int(cid))[0] for cid, _ in doc["n"])
-    out = {}
+    out: dict[str, EvenSplit] = {}
+    if len({bool(doc["v"]) for doc in docs.values()}) > 1:  # ranks widen differently: list every need
+        return out
     for fqn, decl in declared.items():
         split = decl[0][0]
         if fqn in listed or split.parts != len(firsts) or any(s != split for s, _ in decl):

@@ -27,8 +27,8 @@ import hashlib
 import heapq
 import json
 import math
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .._util import gc_paused
@@ -56,9 +56,6 @@ choice then stays within about 1/4 of the mean above it, and a save has at most 
 than unique boxes (each costs a metadata entry, with up to 64 block checksums). Chosen on the 405B
 simulations of benchmarks/plan_sim.py at 10,000 ranks: 2 leaves TP x PP x DP at 1.5 x the mean bytes
 per rank, 8 adds 15-70% more metadata than 4 for no better balance (docs/scale.md)."""
-
-
-_SPLITS: dict[tuple[int, int], EvenSplit] = {}  # decoded splits, one object per value (compared by identity first)
 
 
 def _spec_key(spec: ChunkSpec) -> tuple:
@@ -139,13 +136,7 @@ class LocalPlan:
                 return None
             if len(s) == 2:
                 return Box(tuple(s[0]), tuple(s[1]))
-            if s[0] == "s":
-                key = (int(s[1]), int(s[2]))
-                split = _SPLITS.get(key)
-                if split is None:
-                    split = _SPLITS[key] = EvenSplit(*key)
-                return split
-            return FlatRange(int(s[0]), int(s[1]))
+            return EvenSplit.of(int(s[1]), int(s[2])) if s[0] == "s" else FlatRange(int(s[0]), int(s[1]))
 
         try:
             doc = json.loads(data)

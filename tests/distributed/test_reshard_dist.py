@@ -2,7 +2,6 @@
 mesh, flat irregular shards, row boxes), bitwise, on real gloo process groups."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest

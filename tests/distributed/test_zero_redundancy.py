@@ -2,7 +2,6 @@
 by the storage layer), the rest travels over the process group; bounded read buffers; failures."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
