@@ -46,7 +46,7 @@ OLD_MODULES: dict[str, tuple[str, ...]] = {
 }
 
 # renamed names of the old modules
-_RENAMED = {"Storage": "open_storage", "default_pool_cap": "default_ring_bytes"}
+_RENAMED = {"default_pool_cap": "default_ring_bytes"}
 
 
 
@@ -68,8 +68,12 @@ def deprecated_getattr(old: str, homes: tuple[str, ...], names: frozenset[str] |
         if name.startswith("__") or (names is not None and name not in names):
             raise AttributeError(f"module {old!r} has no attribute {name!r}")
         value = _lookup(old, homes, name)
-        warnings.warn(f"{old}.{name} is deprecated; import it from {getattr(value, '__module__', homes[0])}",
-                      DeprecationWarning, stacklevel=2)
+        doc = getattr(value, "__doc__", None) or ""
+        if doc.startswith("Deprecated"):  # a shim of a 0.1 name: its docstring says what replaces it
+            text = f"{old}.{name} is deprecated: {doc.split(chr(10))[0]}"
+        else:
+            text = f"{old}.{name} is deprecated; import it from {getattr(value, '__module__', homes[0])}"
+        warnings.warn(text, DeprecationWarning, stacklevel=2)
         return value
 
     return __getattr__
@@ -85,7 +89,9 @@ class _Loader:  # the importlib loader protocol (importlib.abc is not imported: 
         """``python -m unickpt.cli`` (runpy asks the loader for the code to run as ``__main__``)."""
         if name != "unickpt.cli":
             return None
-        return compile("import sys\nfrom unickpt.tools.cli import main\nsys.exit(main())\n", "<unickpt.cli>", "exec")
+        return compile("import sys, warnings\n"
+                       "warnings.warn('python -m unickpt.cli is deprecated; use python -m unickpt', DeprecationWarning)\n"
+                       "from unickpt.tools.cli import main\nsys.exit(main())\n", "<unickpt.cli>", "exec")
 
     def is_package(self, name: str) -> bool:
         return False

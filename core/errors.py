@@ -80,9 +80,19 @@ class RankFailuresError(UnickptError, RuntimeError):
 
 
 class SaveFailedError(RankFailuresError):
-    """A save failed on one or more ranks; nothing was committed (see :class:`RankFailuresError`)."""
+    """A save failed on one or more ranks; nothing was committed (see :class:`RankFailuresError`).
+
+    ``committed`` is None when this rank cannot know (it lost contact with group rank 0 during the
+    commit: ``metadata.json`` may have been written), else False."""
 
     headline = "save to {path!r} failed on rank(s) {ranks}; nothing was committed"
+
+    def __init__(self, path: str, failures: dict[int, str], committed: bool | None = False):
+        self.committed = committed
+        if committed is None:
+            self.headline = ("save to {path!r} failed on rank(s) {ranks}; whether it committed is unknown "
+                             "(look for its metadata.json)")
+        super().__init__(path, failures)
 
 
 class LoadFailedError(RankFailuresError):

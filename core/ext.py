@@ -52,10 +52,10 @@ _EXPORTS = {
     "CheckpointMetadata": "unickpt.format.metadata",
     "open_storage": "unickpt.storage",
     "StorageBackend": "unickpt.storage",
-    "flatten": "unickpt.state.flatten",
-    "saved_leaves": "unickpt.state.flatten",
-    "optimizers_untouched": "unickpt.state.flatten",
-    "sharded_tensor_shard": "unickpt.state.flatten",
+    "flatten": "unickpt.state.flat",
+    "saved_leaves": "unickpt.state.flat",
+    "optimizers_untouched": "unickpt.state.flat",
+    "sharded_tensor_shard": "unickpt.state.flat",
     "encode": "unickpt.state.codec",
     "decode": "unickpt.state.codec",
     "dtype_to_str": "unickpt.format.dtypes",
@@ -212,6 +212,6 @@ if TYPE_CHECKING:
     from .lifecycle.root import LATEST_FILE, CheckpointRoot, step_name
     from .loading.dcp import is_dcp_checkpoint, restore_empty_optim_state
     from .state.codec import decode, encode
-    from .state.flatten import flatten, optimizers_untouched, saved_leaves, sharded_tensor_shard
+    from .state.flat import flatten, optimizers_untouched, saved_leaves, sharded_tensor_shard
     from .storage import StorageBackend, open_storage
     from .tools.importers import Source

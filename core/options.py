@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-__all__ = ["SaveOptions", "LoadOptions", "Env", "env"]
+__all__ = ["SaveOptions", "LoadOptions", "Env", "env", "check_options"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,26 @@ class Env:
 def env() -> Env:
     """This process's :class:`Env`, read on the first call."""
     return Env.read()
+
+
+def check_options(options: Any, cls: type, call: str) -> Any:
+    """``options`` if it is a ``cls``; TypeError naming what was passed otherwise (``call``: ``"save"``
+    or ``"load"``, for the message)."""
+    if not isinstance(options, cls):
+        raise TypeError(f"{call}(options=...) takes a unickpt.{cls.__name__}, got {type(options).__name__} "
+                        f"{options!r}")
+    return options
+
+
+def _check_types(opts: Any, kinds: dict[str, tuple]) -> None:
+    """TypeError naming the field, the expected type and the value, for each field of the wrong type
+    (``bool`` is not accepted where an int is expected)."""
+    for name, types in kinds.items():
+        value = getattr(opts, name)
+        ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+        if not ok:
+            want = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+            raise TypeError(f"{type(opts).__name__}.{name} must be {want}, got {type(value).__name__} {value!r}")
 
 
 def _replaced(opts: Any, kind: str, changes: dict) -> Any:
@@ -148,6 +168,11 @@ class SaveOptions:
     def validated(self) -> "SaveOptions":
         """This, with ``pool_bytes`` and ``check_replicas`` taken from the environment where None (see
         the module docstring); raises ValueError naming the field for a bad value."""
+        _check_types(self, {"pool_bytes": (int, type(None)), "piece_bytes": (int,), "segment_bytes": (int,),
+                            "flat_ranges": (str,), "snapshot": (str,), "writer": (str,), "direct_io": (bool,),
+                            "overlap_drain": (bool,), "upload_to": (str, type(None)),
+                            "upload_options": (dict, type(None)), "background_nice": (int,), "write_block": (int,),
+                            "check_replicas": (str, type(None))})
         opts = self
         if opts.pool_bytes is None and env().pool_bytes is not None:
             opts = replace(opts, pool_bytes=env().pool_bytes)
@@ -203,6 +228,8 @@ class LoadOptions:
         """This, with the fields that are None taken from the environment (see the module docstring;
         ``redistribute`` stays None, i.e. automatic, unless ``UNICKPT_LOAD_REDISTRIBUTE`` is 0 or 1);
         raises ValueError naming the field for a bad value."""
+        _check_types(self, {"verify": (bool,), "redistribute": (bool, type(None)),
+                            "read_buffer_bytes": (int, type(None)), "read_threads": (int, type(None))})
         e = env()
         opts = replace(self, redistribute=e.load_redistribute if self.redistribute is None else self.redistribute,
                        read_buffer_bytes=e.load_buffer_bytes if self.read_buffer_bytes is None else self.read_buffer_bytes,

@@ -19,13 +19,17 @@ __all__ = ["describe", "raise_failures", "agree"]
 
 _SAME_TYPE_ERRORS = {cls.__name__: cls for cls in (StateMismatchError, IntegrityError, CheckpointNotFoundError,
                                                      FormatVersionError, PerRankReshardError, UnsafeObjectError)}
+# bad arguments of the call (options), tagged by the caller: raised with the built-in type on every rank
+_ARGUMENT_ERRORS = {"options:ValueError": ValueError, "options:TypeError": TypeError}
 
 
-def describe(e: BaseException | None) -> tuple[str, str, str] | None:
-    """``(type name, message, traceback text)`` of a failure, or None: what a rank contributes to the gather."""
+def describe(e: BaseException | None, tag: str | None = None) -> tuple[str, str, str] | None:
+    """``(type name, message, traceback text)`` of a failure, or None: what a rank contributes to the
+    gather. ``tag`` prefixes the type name (``"options"``: a bad argument of the call)."""
     if e is None:
         return None
-    return type(e).__name__, str(e), "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    kind = type(e).__name__ if tag is None else f"{tag}:{type(e).__name__}"
+    return kind, str(e), "".join(traceback.format_exception(type(e), e, e.__traceback__))
 
 
 def raise_failures(path: str, failures: list, local_error: BaseException | None) -> None:
@@ -39,14 +43,16 @@ def raise_failures(path: str, failures: list, local_error: BaseException | None)
         raise local_error
     kinds = {f[0] for f in failed.values()}
     first = min(failed)
-    if len(kinds) == 1 and failed[first][0] in _SAME_TYPE_ERRORS:
-        raise _SAME_TYPE_ERRORS[failed[first][0]](f"rank {first}: {failed[first][1]}")
+    same = {**_SAME_TYPE_ERRORS, **_ARGUMENT_ERRORS}
+    if len(kinds) == 1 and failed[first][0] in same:
+        raise same[failed[first][0]](f"rank {first}: {failed[first][1]}")
     raise LoadFailedError(path, {r: f[2] for r, f in failed.items()})
 
 
-def agree(comm: Any, path: str, local_error: BaseException | None, extra: Any = None) -> list:
+def agree(comm: Any, path: str, local_error: BaseException | None, extra: Any = None, tag: str | None = None) -> list:
     """Gather every rank's outcome (and ``extra``) on ``comm``'s plan group and raise on every rank if
-    any failed (:func:`raise_failures`). Returns every rank's ``extra``, in group-rank order."""
-    gathered = comm.all_gather((describe(local_error), extra), comm.plan_group)
+    any failed (:func:`raise_failures`; ``tag``: see :func:`describe`). Returns every rank's ``extra``,
+    in group-rank order."""
+    gathered = comm.all_gather((describe(local_error, tag), extra), comm.plan_group)
     raise_failures(path, [g[0] for g in gathered], local_error)
     return [g[1] for g in gathered]

@@ -19,6 +19,7 @@ collective.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from ..errors import UnickptError
 from ..format.layout import METADATA_FILE
 from ..storage import open_storage
 from .directory import check_removable, is_committed, is_incomplete_checkpoint, remove_dir, writer_alive
+
+log = logging.getLogger("unickpt")
 
 __all__ = ["STEP_DIR", "LATEST_FILE", "CheckpointRoot", "Removal", "list_checkpoints", "remove_checkpoint",
            "prune_checkpoints", "step_of", "step_name"]
@@ -139,11 +142,17 @@ class CheckpointRoot:
                   and not writer_alive(self.storage, self.path(s))]
         if keep_last is not None:
             keep = set(committed[-keep_last:]) | {max(committed)}
-            doomed += [s for s in committed if s not in keep]
+            for s in committed:
+                if s in keep:
+                    continue
+                try:
+                    check_removable(self.storage, self.path(s))
+                except UnickptError as e:  # a link, or files unickpt did not write: never removed
+                    log.warning("unickpt: retention keeps %s: %s", self.path(s), e)
+                    continue
+                doomed.append(s)
         for s in doomed:
-            # uncommit first (metadata.json goes first), so a half-deleted directory is never loadable
-            self.storage.rm(self.storage.join(self.path(s), METADATA_FILE))
-            self.storage.rm(self.path(s))
+            remove_dir(self.storage, self.path(s))  # uncommitted first: a half-deleted directory never loads
 
     def prune(self, keep_last: int, *, dry_run: bool = False, skipped: list[str] | None = None) -> list[Removal]:
         """Retention by hand (``unickpt prune``): remove the oldest committed ``step_<N>`` beyond the
@@ -236,3 +245,7 @@ def prune_checkpoints(root: str, keep_last: int, *, dry_run: bool = False, stora
     return CheckpointRoot(_resolved(root, storage), storage_options, storage).prune(keep_last, dry_run=dry_run,
                                                                                    skipped=skipped)
 
+
+def update_latest(storage: Any, root: str, storage_options: dict | None = None) -> None:
+    """Deprecated (0.1's ``unickpt.retention.update_latest``): :meth:`CheckpointRoot.update_latest`."""
+    CheckpointRoot(root, storage_options, storage).update_latest()

@@ -25,7 +25,7 @@ from ..dist import failures
 from ..errors import IntegrityError, StateMismatchError, UnsafeObjectError
 from ..format.layout import METADATA_FILE
 from ..geometry import Box, intersect
-from ..state.flatten import flatten
+from ..state.flat import flatten
 from .stats import LoadStats
 from .targets import narrowed, target_views
 

@@ -93,7 +93,8 @@ def read_and_exchange(comm: Comm, storage: Any, path: str, table: ChunkTable, ne
                 span = [(job[0].start, job[-1].start + job[-1].length - job[0].start)]
                 file = storage.join(path, chunk.file)
                 nbytes = read_ranges(storage, file, chunk, span, buf, lo)
-                return nbytes, (verify_ranges(buf, lo, span, chunk, file) if verify else 0)
+                label = f"{file} ({table.locate(job[0].chunk_id)[0]!r})"  # a checksum error names the key too
+                return nbytes, (verify_ranges(buf, lo, span, chunk, label) if verify else 0)
 
             mine = {pool.submit(read, job): job for job in _coalesce([s for s in round_segments if s.reader == me])}
             for fut in as_completed(mine):

@@ -32,11 +32,11 @@ from ..dist.comm import Comm
 from ..errors import IntegrityError, PerRankReshardError, StateMismatchError
 from ..geometry import EvenSplit
 from ..format.metadata import CheckpointMetadata, read_metadata
-from ..options import LoadOptions
+from ..options import LoadOptions, check_options
 from ..plan.cache import PlanCache
 from ..plan.read_plan import Segment, chunk_segments, make_read_plan, segments_of
 from ..state import codec
-from ..state.flatten import flatten, saved_leaves
+from ..state.flat import flatten, saved_leaves
 from ..storage import open_storage
 from . import dcp
 from .checks import check_keys, check_target, take_saved_empty_optimizer_states
@@ -64,8 +64,11 @@ class Loader:
 
     def load(self, path: str, state: dict, *, strict: bool = True, storage_options: dict | None = None,
              allow_pickle: bool = False, options: LoadOptions | None = None) -> LoadStats:
-        """Load ``path`` into ``state`` in place on this rank (collective). See :func:`unickpt.load`."""
-        opts = (options or LoadOptions()).validated()
+        """Load ``path`` into ``state`` in place on this rank (collective). See :func:`unickpt.load`.
+
+        Raises, on every rank, what :func:`unickpt.load` lists, and ValueError / TypeError for options
+        that are bad on some rank or that the ranks do not share (``redistribute``)."""
+        opts = LoadOptions()
         comm = self.comm
         t0 = time.perf_counter()
         stats = LoadStats()
@@ -75,6 +78,14 @@ class Loader:
         local_error: BaseException | None = None
         signature = None
         try:
+            opts = check_options(options if options is not None else LoadOptions(), LoadOptions, "load").validated()
+        except (TypeError, ValueError) as e:  # a bad argument of the call: raised with its own type on every rank
+            local_error, tag = e, "options"
+        else:
+            tag = None
+        try:
+            if local_error is not None:
+                raise local_error
             meta = read_metadata(storage, path)
             flat = flatten(state, for_load=True)
             # tensors and per-rank entries from every rank's plan; plain objects are group rank 0's
@@ -111,7 +122,12 @@ class Loader:
             signature = _needs_signature(need, table, opts.verify)
         except Exception as e:  # every rank must still join the gather, or the others hang
             local_error = e
-        gathered = failures.agree(comm, path, local_error, (signature, socket.gethostname()))
+        gathered = failures.agree(comm, path, local_error, (signature, socket.gethostname(), opts.redistribute), tag)
+        asked = {g[2] for g in gathered}
+        if len(asked) > 1:  # the read plan is collective: every rank must take part in it, or none
+            raise ValueError(f"{path!r}: ranks asked for different redistribute settings "
+                             f"({', '.join(f'rank {r}: {g[2]}' for r, g in enumerate(gathered))}); pass the same "
+                             "LoadOptions(redistribute=...) on every rank")
         stats.redistributed = _should_redistribute(opts.redistribute, storage, {g[1] for g in gathered})
         if stats.redistributed:
             segments = self._read_plan(need, table, [g[0] for g in gathered], opts.verify, stats)
@@ -306,3 +322,14 @@ def _per_rank_states(comm: Comm, storage: Any, path: str, meta: CheckpointMetada
     return out
 
 
+# -- deprecated (0.1) names, served by ``unickpt.loading`` for one release --------------------------------
+DEFAULT_READ_BUFFER_BYTES = 512 << 20  # deprecated: LoadOptions.read_buffer_bytes
+DEFAULT_READ_THREADS = 4  # deprecated: LoadOptions.read_threads
+
+
+def load_checkpoint(comm: Comm, path: str, state: dict, *, strict: bool = True, storage_options: dict | None = None,
+                    allow_pickle: bool = False, verify: bool = True, redistribute: bool | None = None) -> LoadStats:
+    """Deprecated (0.1): ``Loader(comm).load(...)``. Use :func:`unickpt.load`, or :func:`unickpt.ext.load_solo`
+    for this process alone."""
+    return Loader(comm).load(path, state, strict=strict, storage_options=storage_options, allow_pickle=allow_pickle,
+                             options=LoadOptions(verify=verify, redistribute=redistribute))

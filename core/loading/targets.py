@@ -16,7 +16,7 @@ from ..format.dtypes import str_to_dtype
 from ..format.index import IndexReader
 from ..format.metadata import CheckpointMetadata, ChunkMeta, split_block_bytes, split_chunk
 from ..geometry import Box, ChunkIndex, EvenSplit, FlatRange, Piece, SplitIndex, byte_runs, chunk_pieces, intersect
-from ..state.flatten import TensorLeaf
+from ..state.flat import TensorLeaf
 
 __all__ = ["ChunkTable", "Overlap", "TargetReads", "merge_ranges", "piece_runs", "widen_to_blocks", "narrowed",
            "target_views", "split_needs", "chunk_overlaps", "spec_needs"]

@@ -37,7 +37,7 @@ from ..errors import StateMismatchError
 from ..format.dtypes import dtype_to_str, str_to_dtype
 from ..format.layout import data_file
 from ..geometry import Box, ChunkSpec, EvenSplit, FlatRange, check_exact_cover
-from ..state.flatten import FlatState
+from ..state.flat import FlatState
 from .balance import LeastLoaded
 from .merge import merge_ranges
 from .stream import GRANULE_BYTES, stream_layout

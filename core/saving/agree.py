@@ -4,10 +4,12 @@ Runs on the save thread, on the private *plan* gloo group (:mod:`unickpt.dist.co
 
 1. always: a fixed-size ``all_gather`` of :data:`SIG_BYTES` bytes per rank: an error flag, the
    16-byte signature of the rank's local plan, 8-byte digests of its plain-value keys, of the
-   plan-shaping options and of its tensor table. A failed rank sets the flag; then the failures are
-   gathered (2 more) and raised on every rank with one type (:class:`~unickpt.errors.SaveFailedError`,
-   or the failure's own type when every failing rank agrees on CheckpointExistsError or
-   UnsafeObjectError).
+   plan-shaping options, of its tensor table and of the save's target (path and step). A failed rank
+   sets the flag; then the failures are gathered (2 more) and raised on every rank with one type
+   (:class:`~unickpt.errors.SaveFailedError`, or the failure's own type when every failing rank agrees
+   on CheckpointExistsError, UnsafeObjectError, or a ValueError / TypeError of the call's options). Ranks that name different
+   targets (paths or steps) are told so on every rank (2 more, to name them) before anything is
+   written: saving under rank 0's name would commit a checkpoint missing the other ranks' files.
 2. on a plan-cache miss only: the local plans are gathered as compact JSON (2 collectives, no pickle;
    a rank whose signature repeats an earlier rank's sends nothing, one whose tensor table repeats an
    earlier rank's sends its shards only: what travels grows with the distinct layouts, not with ranks
@@ -37,7 +39,7 @@ __all__ = ["PlanAgreement", "SIG_BYTES", "PLAN_CACHE_SIZE"]
 log = logging.getLogger("unickpt")
 
 PLAN_CACHE_SIZE = 8  # distinct layouts remembered per engine (e.g. model-only vs full saves)
-SIG_BYTES = 48  # error flag, 16-byte plan signature, 8-byte objects digest, 8-byte options digest, 8-byte table digest
+SIG_BYTES = 56  # error flag, 16-byte plan signature, 8-byte digests: objects, options, table, target (path, step)
 
 
 def _digest8(text: str) -> bytes:
@@ -57,13 +59,13 @@ class PlanAgreement:
 
     def agree(self, path: str, local: LocalPlan, signature: str | None, local_error: BaseException | None,
               stats: SaveStats, opts: SaveOptions,
-              check: Callable[[SavePlan, bool], None] = lambda plan, full: None) -> SavePlan:
+              check: Callable[[SavePlan, bool], None] = lambda plan, full: None, step: int | None = None) -> SavePlan:
         """The plan of this save on every rank. ``check(plan, full)`` (the replica check) runs on a miss
         before the plan is cached, and on a hit with ``check_replicas="always"``.
 
-        Raises CheckpointExistsError / UnsafeObjectError / SaveFailedError (a rank failed before
-        planning), ValueError (ranks configured different plan options), StateMismatchError (ranks
-        disagree on a tensor's dtype or global shape).
+        Raises CheckpointExistsError / UnsafeObjectError / ValueError / TypeError / SaveFailedError (a
+        rank failed before planning), ValueError (ranks configured different plan options, or named
+        different paths or steps), StateMismatchError (ranks disagree on a tensor's dtype or global shape).
         """
         comm, world = self.comm, self.comm.world_size
         opt_digest = _digest8(repr(opts.plan_key()))
@@ -73,6 +75,7 @@ class PlanAgreement:
             mine[17:25] = bytes.fromhex(local.objects_digest or "00" * 8)
             mine[25:33] = opt_digest
             mine[33:41] = bytes.fromhex(local.table_digest())
+            mine[41:49] = _digest8(repr((path, step)))
         else:
             mine[0] = 1
         if world > 1:
@@ -87,6 +90,12 @@ class PlanAgreement:
             rows = [bytes(mine)]
         if any(r[0] for r in rows):
             self._raise_failures(path, local, local_error, stats)
+        if any(r[41:49] != rows[0][41:49] for r in rows):
+            targets = comm.all_gather((path, step), comm.plan_group) if world > 1 else [(path, step)]
+            stats.collectives_plan += 2
+            named = ", ".join(f"rank {r}: {p!r} step {s}" for r, (p, s) in enumerate(targets))
+            raise ValueError(f"ranks saved to different targets ({named}); every rank of a save must name the same "
+                             "path and step (nothing was written)")
         if any(r[25:33] != rows[0][25:33] for r in rows):
             raise ValueError(f"{path!r}: ranks configured different save options (flat_ranges, segment_bytes, "
                              f"upload_to, snapshot, check_replicas must agree); this rank has {opts.plan_key()}")
@@ -130,4 +139,9 @@ class PlanAgreement:
             raise UnsafeObjectError(next(e[2] for e in errors if e[0])) from local_error
         if kinds == {"CheckpointExistsError"}:  # the target is taken: say so with its own type
             raise CheckpointExistsError(next(e[2] for e in errors if e[0])) from local_error
+        if kinds in ({"options:ValueError"}, {"options:TypeError"}):  # bad options on some ranks
+            if local_error is not None:
+                raise local_error
+            first = min(failures)
+            raise (ValueError if kinds == {"options:ValueError"} else TypeError)(f"rank {first}: {errors[first][2]}")
         raise SaveFailedError(path, failures) from local_error

@@ -150,7 +150,8 @@ class Committer:
         except Exception as e:
             if self.rank != 0:  # rank 0 knows its own outcome; the others cannot tell
                 raise SaveFailedError(req.path, {self.rank: f"lost contact with rank 0 during the commit; whether "
-                                                           f"{METADATA_FILE} was written is unknown: {e!r}"}) from e
+                                                           f"{METADATA_FILE} was written is unknown: {e!r}"},
+                                      committed=None) from e
             log.warning("unickpt: %s committed, but the other ranks could not be told: %r", req.path, e)
         if status is not None:
             log.error("unickpt: commit of %s failed on rank 0; nothing was committed", req.path)

@@ -8,7 +8,7 @@ back into the engine. Threads (per engine; saves are served in the order they we
    :class:`~unickpt.saving.staging.StagingPool`; waiting only when both are draining, reported as
    ``pool_wait_s``), registers the save with the drain, then copies this rank's chunks into the ring
    piece by piece (at most ``piece_bytes``) in file (stream) order, posts the merge sends and
-   receives (:class:`~unickpt.dist.p2p.P2P`) and hands each piece to the drain. When the state is
+   receives (:mod:`.transfers`) and hands each piece to the drain. When the state is
    larger than the ring, it waits for the writer to free space: the state streams through bounded
    memory.
 2. **serialize/checksum** and 3. **write**: the drain (:mod:`.drain`), in this process
@@ -39,12 +39,13 @@ from ..dist.p2p import P2P
 from ..format.integrity import CHECKSUM_BLOCK_BYTES, block_size
 from ..geometry import Box
 from ..options import SaveOptions
-from ..plan.save_plan import RecvFill, SavePlan, SendOp
+from ..plan.save_plan import RecvFill, SavePlan
 from ..plan.stream import stream_layout
 from .drain import JobSpec, ThreadDrain
 from .writer_process import ProcessDrain
 from .request import SaveProgress, SaveRequest, SaveStats
 from .staging import CudaStager, PoolAborted, StagingPool, byte_view, copy_bytes, ring_capacity
+from .transfers import MergeTransfers
 from .upload import Uploader
 
 __all__ = ["SavePipeline", "DrainResult"]
@@ -91,7 +92,7 @@ class _Run:
         self.lock = threading.Lock()
         self.gate_open = False
         self.held: list = []
-        self.posted_sends: set = set()
+        self.posted_sends: set = set()  # merge transfers posted (:mod:`.transfers`), by index
         self.posted_recvs: set = set()
         self.send_works: list = []
         self.backend_done = threading.Event()
@@ -114,6 +115,7 @@ class SavePipeline:
     def __init__(self, p2p: P2P | None, rank: int, world_size: int, uploader: Uploader,
                  local_world_size: int | None = None):
         self.p2p, self.rank, self.world_size = p2p, rank, world_size
+        self.transfers = MergeTransfers(p2p, rank)
         self.local_world_size = local_world_size
         self.uploader = uploader
         self.pools = [StagingPool(0), StagingPool(1)]
@@ -218,7 +220,7 @@ class SavePipeline:
         progress = run.progress
         try:
             if run.backend is None:  # this rank could not start its drain: settle what it owes, report at the commit
-                self._settle_transfers(run)
+                self.transfers.settle(run)
                 progress.finish_snapshot()
                 return
             first, rest = self._items(run)
@@ -252,11 +254,11 @@ class SavePipeline:
         except BaseException as e:
             if not isinstance(e, PoolAborted):
                 run.fail(_format("snapshot stage (staging copy)", e))
-            self._settle_transfers(run)
+            self.transfers.settle(run)
         run.stats.stage_s += time.perf_counter() - t0
         if final:
             if run.progress.error is not None:
-                self._settle_transfers(run)
+                self.transfers.settle(run)
             self._open_gate(run)
             backend.end_job(run.seq, run.progress.error)
             run.stats.snapshot_s = time.perf_counter() - run.request.t0
@@ -269,7 +271,7 @@ class SavePipeline:
         cuda = self._cuda_for(run)
         sends = [it[1] for it in items if it[0] == "send"]
         if sends:
-            self._issue_sends(run, sends, cuda)
+            self.transfers.post_sends(run, sends, cuda)
         stats = run.stats
         for it in items:
             if it[0] != "chunk":
@@ -283,10 +285,7 @@ class SavePipeline:
                     start, end = base + fill.byte_start, base + fill.byte_start + fill.nbytes
                     pool.acquire(end, on_block=lambda: self._open_gate(run))
                     (dst,) = pool.region(start, end)  # receives never straddle the wrap (granule cuts)
-                    work = self.p2p.irecv(dst, fill.src, P2P.tag(run.seq, fill.index))  # type: ignore[union-attr]
-                    run.posted_recvs.add(fill.index)
-                    stats.p2p_recvs += 1
-                    stats.merge_bytes_received += fill.nbytes
+                    work = self.transfers.post_recv(run, fill, dst)
                     self._item(run, backend, start, end, ci, work.wait)
                     continue
                 src = byte_view(_narrow(run.leaves[chunk.fqn], fill.view))
@@ -326,62 +325,6 @@ class SavePipeline:
             held, run.held = run.held, []
         for start, end, ci, wait in held:
             run.backend.item(run.seq, start, end, ci, wait)
-
-    def _issue_sends(self, run: _Run, sends: list[SendOp], cuda: CudaStager | None) -> None:
-        """Snapshot every merge send into the pool's send buffer, then post them all."""
-        assert run.pool is not None and self.p2p is not None
-        total = sum(s.nbytes for s in sends)
-        pin = any(run.leaves[s.fqn].is_cuda for s in sends)
-        buf = run.pool.send_buffer(total, pin=pin and torch.cuda.is_available())
-        pos, slots = 0, []
-        for s in sends:
-            src = byte_view(run.leaves[s.fqn])
-            dst = buf[pos : pos + s.nbytes]
-            if src.is_cuda and cuda is not None:
-                stream = cuda.stream_for(src.device)
-                with torch.cuda.stream(stream):
-                    copy_bytes([dst], src, s.src_byte, s.nbytes, stream)
-            else:
-                copy_bytes([dst], src, s.src_byte, s.nbytes)
-            slots.append((s, dst))
-            pos += s.nbytes
-        if pin:
-            torch.cuda.synchronize()
-        for s, dst in slots:
-            run.send_works.append(self.p2p.isend(dst, s.dst, P2P.tag(run.seq, s.index)))
-            run.posted_sends.add(s.index)
-            run.stats.p2p_sends += 1
-            run.stats.merge_bytes_sent += s.nbytes
-
-    def _settle_transfers(self, run: _Run) -> None:
-        """After a failure: post the merge sends and receives this rank still owes (zeros / scratch)
-        and wait for them, so that no peer waits forever; peers learn of the failure at the commit.
-        Never raises (a transfer that cannot be settled is added to the save's failure)."""
-        if self.p2p is None:
-            return
-        try:
-            self._settle(run)
-        except BaseException as e:
-            run.fail(_format("merge transfers (settling after a failure)", e))
-
-    def _settle(self, run: _Run) -> None:
-        assert self.p2p is not None
-        owed_sends = [s for s in run.plan.sends[self.rank] if s.index not in run.posted_sends]
-        owed_recvs = [f for c in run.mine for f in c.fills
-                      if isinstance(f, RecvFill) and f.index not in run.posted_recvs]
-        if not owed_sends and not owed_recvs:
-            return
-        scratch = torch.zeros(max([s.nbytes for s in owed_sends] + [f.nbytes for f in owed_recvs]), dtype=torch.uint8)
-        works = []
-        for s in owed_sends:
-            works.append(self.p2p.isend(scratch[: s.nbytes], s.dst, P2P.tag(run.seq, s.index)))
-            run.posted_sends.add(s.index)
-        recv_scratch = torch.empty_like(scratch)
-        for f in owed_recvs:  # one at a time: they share the scratch buffer
-            run.posted_recvs.add(f.index)
-            self.p2p.irecv(recv_scratch[: f.nbytes], f.src, P2P.tag(run.seq, f.index)).wait()
-        for w in works:
-            w.wait()
 
     # -- CUDA ----------------------------------------------------------------------------------------
     def _cuda_for(self, run: _Run) -> CudaStager | None:

@@ -35,7 +35,7 @@ from typing import Any, Callable
 from ..dist.comm import Comm, local_synchronization
 from ..dist.p2p import P2P
 from ..lifecycle.directory import prepare_target
-from ..options import SaveOptions
+from ..options import SaveOptions, check_options
 from ..storage import open_storage
 from . import snapshot as snapshot_mod
 from .agree import PlanAgreement
@@ -91,6 +91,7 @@ class Saver:
         self._in_flight: dict[str, int] = {}  # paths of saves not yet finished (how many)
         self._lock = threading.Lock()
         self._seq = 0
+        self._closed = False
 
     # -- caller's thread ---------------------------------------------------------------------------
     def save(self, path: str, state: dict, *, async_save: bool = False, storage_options: dict | None = None,
@@ -101,7 +102,16 @@ class Saver:
         save thread, then (``sync`` snapshot mode) the wait until everything is staged. Planning errors
         are raised here in ``sync`` snapshot mode, on the handle in ``overlap`` mode."""
         t0 = time.perf_counter()
-        opts = self.options if options is None else options.validated()
+        if self._closed:
+            raise RuntimeError("unickpt: this engine is closed (its saves ended with close()); use another engine")
+        # options given to this call are checked as part of the save, so that a bad value on one rank is
+        # raised on every rank by the plan agreement instead of leaving the others waiting
+        opts, opts_error = self.options, None
+        if options is not None:
+            try:
+                opts = check_options(options, SaveOptions, "save").validated()
+            except (TypeError, ValueError) as e:
+                opts_error = e
         path = str(path)
         stats = SaveStats(path=path, step=step, snapshot=opts.snapshot, writer=opts.writer,
                           flat_ranges=opts.flat_ranges)
@@ -113,6 +123,8 @@ class Saver:
         clone_limit = min(snapshot_mod.OVERLAP_CLONE_BYTES, self.pipeline.ring_bytes(opts) // 4)
         snap = take_snapshot(state, rank=self.rank, world_size=self.world_size, snapshot_mode=opts.snapshot,
                              allow_pickle=allow_pickle, clone_limit=clone_limit)
+        if opts_error is not None:
+            snap.failed(opts_error, self.rank, tag="options")
         with self._lock:
             self._in_flight[path] = self._in_flight.get(path, 0) + 1
         if snap.optimizers:
@@ -164,18 +176,31 @@ class Saver:
         self.pipeline.stage(run)
 
     def _plan(self, req: SaveRequest, snap: Snapshot, stats: SaveStats) -> Any:
-        """Group rank 0 checks the target directory, then every rank agrees on the plan."""
+        """Group rank 0 checks and claims the target directory (before the agreement: no other rank
+        writes into it before then), then every rank agrees on the plan. When the agreement fails, the
+        directory rank 0 just made (empty but for its writer record) is removed again."""
+        made: list[tuple[Any, str]] = []
         if self.rank == 0 and snap.error is None:
             try:
                 prepare_target(req.storage, req.path, in_flight=lambda p: self.in_flight(p, others=1),
                                ours_in_flight=lambda p: self.in_flight(p, others=1) or self._busy_elsewhere(p))
+                made.append((req.storage, req.path))
                 if req.options.upload_to is not None:
-                    Uploader.prepare_target(req.options, req.path)
+                    made.append(Uploader.prepare_target(req.options, req.path))
             except Exception as e:
                 snap.failed(e, self.rank)
         assert snap.local is not None
-        return self.agreement.agree(req.path, snap.local, snap.signature, snap.error, stats, req.options,
-                                    lambda plan, full: self._check_replicas(snap, plan, full, stats))
+        try:
+            return self.agreement.agree(req.path, snap.local, snap.signature, snap.error, stats, req.options,
+                                        lambda plan, full: self._check_replicas(snap, plan, full, stats),
+                                        step=req.step)
+        except BaseException:
+            for storage, path in made:
+                try:
+                    storage.rm(path)
+                except Exception:  # a leftover: replaced by the next save into it, or removed by retention
+                    log.warning("unickpt: could not remove %s after its save failed to plan", path, exc_info=True)
+            raise
 
     def _check_replicas(self, snap: Snapshot, plan: Any, full: bool, stats: SaveStats) -> None:
         """Before staging: the holders of each replicated chunk hold the same bytes
@@ -240,6 +265,7 @@ class Saver:
     def close(self) -> None:
         """Wait for the pending saves, then stop the threads, free the staging memory and destroy the
         merge group (no reference to it is kept: torch can then re-initialise on the same store)."""
+        self._closed = True
         try:
             self.wait()
         finally:

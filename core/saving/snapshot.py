@@ -1,6 +1,6 @@
 """The caller's part of a save: what the state holds at the call, as the save thread will need it.
 
-On the caller's thread (no collective): flatten the state (:mod:`unickpt.state.flatten`: tensor
+On the caller's thread (no collective): flatten the state (:mod:`unickpt.state.flat`: tensor
 leaves, plain values and per-rank objects as of the call), check each leaf against its shard, build
 this rank's local plan and its signature (:mod:`unickpt.plan.save_plan`), encode the per-rank
 objects, and, in ``overlap`` snapshot mode, decide what is staged after the call returns:
@@ -33,7 +33,7 @@ import torch
 from .._util import gc_paused
 from ..plan.save_plan import LocalPlan, make_local_plan
 from ..state import codec
-from ..state.flatten import FlatState, check_leaf_fits, flatten
+from ..state.flat import FlatState, check_leaf_fits, flatten
 from .request import SaveStats
 
 __all__ = ["OVERLAP_CLONE_BYTES", "Snapshot", "take_snapshot", "StepGuards"]
@@ -83,11 +83,13 @@ class Snapshot:
         assert self.flat is not None
         return self.clones.get(fqn, self.flat.tensors[fqn].local)
 
-    def failed(self, e: BaseException, rank: int) -> None:
-        """Record the caller's part's failure in the local plan (it reaches every rank at the agreement)."""
+    def failed(self, e: BaseException, rank: int, tag: str | None = None) -> None:
+        """Record the caller's part's failure in the local plan (it reaches every rank at the agreement;
+        ``tag="options"``: a bad argument of the call, raised with its own type everywhere)."""
         self.error = e
         self.local = LocalPlan(rank=rank, error=format_exc(e))
-        self.local.error_type, self.local.error_message = type(e).__name__, str(e)
+        kind = type(e).__name__ if tag is None else f"{tag}:{type(e).__name__}"
+        self.local.error_type, self.local.error_message = kind, str(e)
         self.signature = None
         self.must_wait = True
 

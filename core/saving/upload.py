@@ -43,11 +43,12 @@ class Uploader:
         self._thread.start()
 
     @staticmethod
-    def prepare_target(options: SaveOptions, path: str) -> None:
+    def prepare_target(options: SaveOptions, path: str) -> tuple[Any, str]:
         """Group rank 0, save thread: the remote directory follows the local target's rules (a committed
-        one is refused, a foreign one too; an incomplete one is replaced)."""
+        one is refused, a foreign one too; an incomplete one is replaced). Returns (backend, directory)."""
         remote, rdir = remote_dir(options, path)
         prepare_target(remote, rdir, in_flight=lambda _: False, writer=False)
+        return remote, rdir
 
     def upload_later(self, request: Any, progress: Any, rel: str,
                      report: Callable[[int, float, BaseException | None], None]) -> None:

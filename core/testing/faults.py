@@ -18,7 +18,10 @@ objects), ``"fsync"`` (the same, failing after its bytes were written: the durab
 report success: a lying disk), ``"kill"`` (SIGKILL this process, with ``keep`` of a file's bytes
 written first for ``write``). ``after=True`` applies the action once the operation has completed
 (``rename`` + ``kill``: die right after a commit). Faults apply in the process that installs them
-(the writer process of ``writer="process"`` opens its own storage).
+(the writer process of ``writer="process"`` opens its own storage), to the backends opened while
+they are installed: a save opens its storage at the call, the drain at each file; a
+:class:`~unickpt.Checkpointer` opens its root (``latest``, retention) when it is made, so install
+faults on those before making it (or arm them later: ``Fault(..., enabled=False)``).
 """
 from __future__ import annotations
 

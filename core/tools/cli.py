@@ -70,6 +70,9 @@ def _chunk_count(t: Any) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     storage = open_storage(args.path)
+    if storage.exists(args.path) and not storage.isdir(args.path):
+        raise UnickptError(f"{args.path!r} is a file, not a checkpoint directory (a Lightning .ckpt written by "
+                           "UnickptCheckpointIO packs one: load it with Lightning, or `unickpt import` other files)")
     if not storage.exists(storage.join(args.path, "metadata.json")) and list_checkpoints(args.path):
         raise UnickptError(f"{args.path!r} is a checkpoint root, not a checkpoint; "
                            f"see `unickpt ls {args.path}` and inspect one of its step_<N> directories")

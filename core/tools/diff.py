@@ -12,7 +12,7 @@ import torch
 from ..errors import CheckpointNotFoundError, FormatVersionError, UnickptError
 from ..format.dtypes import dtype_to_str
 from ..format.metadata import CheckpointMetadata
-from ..state.flatten import flatten, saved_leaves
+from ..state.flat import flatten, saved_leaves
 from .reader import CheckpointReader
 
 __all__ = ["Difference", "diff_checkpoints", "open_checkpoint", "read_full_tensor"]

@@ -18,7 +18,7 @@ from ..format.metadata import ChunkMeta, CheckpointMetadata, TensorMeta, read_me
 from ..geometry import Box, FlatRange, row_major_strides
 from ..loading.reads import read_ranges, verify_ranges
 from ..state import codec
-from ..state.flatten import saved_leaves
+from ..state.flat import saved_leaves
 from ..storage import open_storage
 
 __all__ = ["CheckpointReader"]

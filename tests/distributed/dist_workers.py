@@ -205,7 +205,7 @@ def flatten_matches_torch_state_dicts() -> dict:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from unickpt.geometry import Box
-    from unickpt.state.flatten import flatten
+    from unickpt.state.flat import flatten
 
     def reference(model, optims: dict) -> dict:
         ref = {f"model.{k}": v for k, v in get_model_state_dict(model).items()}
@@ -267,3 +267,50 @@ def save_load_after_rank_change(root: str, port: int) -> list[bool]:
         unickpt.load(path, {"a": into})
         ok.append(torch.equal(into.to_local(), g * (gen + 1)))
     return ok
+
+
+def _outcome(fn) -> tuple[str, str]:
+    try:
+        fn()
+    except BaseException as e:  # the test compares every rank's error type and message
+        return type(e).__name__, str(e)
+    return "ok", ""
+
+
+def disagreeing_targets(root: str) -> dict:
+    """Each rank names its own path, then its own step: refused on every rank, nothing written, and the
+    committed step_0 (keep_last=1) survives; a save everyone agrees on works afterwards."""
+    rank = dist.get_rank()
+    w = unickpt.Shard(torch.full((4,), float(rank)), (8,), offsets=(4 * rank,))
+    paths = _outcome(lambda: unickpt.save(os.path.join(root, f"run_rank{rank}"), {"w": w}))
+    ckpt = unickpt.Checkpointer(os.path.join(root, "run"), keep_last=1)
+    ckpt.save(0, {"w": w}).wait()
+    steps = _outcome(lambda: ckpt.save(100 + rank, {"w": w}).wait())
+    dist.barrier()  # rank 0 removes the directory it made for step_100 before it raises
+    listing = sorted(os.listdir(os.path.join(root, "run")))
+    dist.barrier()  # every rank has listed before rank 0 makes step_1
+    ckpt.save(1, {"w": w}).wait()  # the engine still works
+    out = {"w": unickpt.Shard(torch.zeros(4), (8,), offsets=(4 * rank,))}
+    loaded = ckpt.load(out)
+    return {"paths": paths, "steps": steps, "listing": listing, "written": sorted(os.listdir(root)),
+            "loaded": loaded, "ok": torch.equal(out["w"].tensor, torch.full((4,), float(rank)))}
+
+
+def options_bad_on_one_rank(root: str, bad_rank: int) -> dict:
+    """Invalid per-call options on one rank only: the same error on every rank (no hang), and both the
+    save and the load engines stay usable."""
+    rank = dist.get_rank()
+    w = torch.arange(8.0)
+    save_opts = unickpt.SaveOptions(snapshot="bogus") if rank == bad_rank else None
+    saved = _outcome(lambda: unickpt.save(os.path.join(root, "a"), {"w": w}, options=save_opts))
+    typed = _outcome(lambda: unickpt.save(os.path.join(root, "b"), {"w": w},
+                                          options={"snapshot": "overlap"} if rank == bad_rank else None))
+    unickpt.save(os.path.join(root, "c"), {"w": w})
+    load_opts = unickpt.LoadOptions(read_threads=0) if rank == bad_rank else None
+    loaded = _outcome(lambda: unickpt.load(os.path.join(root, "c"), {"w": torch.zeros(8)}, options=load_opts))
+    differ = _outcome(lambda: unickpt.load(os.path.join(root, "c"), {"w": torch.zeros(8)},
+                                           options=unickpt.LoadOptions(redistribute=rank == 0)))
+    out = {"w": torch.zeros(8)}
+    unickpt.load(os.path.join(root, "c"), out)
+    return {"saved": saved, "typed": typed, "loaded": loaded, "differ": differ, "ok": torch.equal(out["w"], w),
+            "committed": {p: os.path.exists(os.path.join(root, p, "metadata.json")) for p in "abc"}}

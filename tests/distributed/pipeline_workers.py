@@ -161,6 +161,7 @@ def _inject(stage: str, fail: bool, root: str):
     checksum and merge by patching their function); returns an undo callable."""
     import unickpt.format.integrity as integrity
     import unickpt.saving.pipeline as pl
+    import unickpt.saving.transfers as transfers
     from unickpt.testing import Fault, install
 
     undo = []
@@ -188,7 +189,7 @@ def _inject(stage: str, fail: bool, root: str):
         elif stage == "commit":
             faults(Fault("rename", match="*metadata.json", nth=None))
         elif stage == "merge":  # the sends' snapshot fails: the rank still owes its peers their bytes
-            patch(pl.SavePipeline, "_issue_sends", boom)
+            patch(transfers.MergeTransfers, "post_sends", boom)
     return lambda: [u() for u in reversed(undo)]
 
 

@@ -196,3 +196,32 @@ def test_replica_mismatch_is_raised_again_and_its_path_can_be_saved_once_fixed(p
 
     out = pool(2).run(rw.mismatch_then_retry, str(tmp_path), "retry")
     assert out == [["ReplicaMismatchError", "ReplicaMismatchError", None, [7.0] * 4]] * 2
+
+
+def test_ranks_naming_different_targets_are_refused_on_every_rank(pool, tmp_path):
+    # each rank saving under its own path or step used to commit rank 0's directory without the other
+    # ranks' files, after which keep_last deleted the good checkpoint
+    results = pool(2).run(w.disagreeing_targets, str(tmp_path))
+    for rank, r in enumerate(results):
+        kind, text = r["paths"]
+        assert kind == "ValueError" and "ranks saved to different targets" in text, r["paths"]
+        assert f"rank 0: '{tmp_path}/run_rank0' step None, rank 1: '{tmp_path}/run_rank1' step None" in text
+        kind, text = r["steps"]
+        assert kind == "ValueError" and f"rank 0: '{tmp_path}/run/step_100' step 100" in text, r["steps"]
+        assert r["listing"] == ["latest", "step_0"]  # nothing written, the committed step kept
+        assert r["loaded"] == 1 and r["ok"]
+    assert results[0]["written"] == ["run"]  # no run_rank<r> directory was made
+
+
+def test_bad_options_on_one_rank_raise_everywhere_without_a_hang(pool, tmp_path):
+    results = pool(2).run(w.options_bad_on_one_rank, str(tmp_path), 1)
+    bad, good = results[1], results[0]
+    assert bad["saved"] == ("ValueError", "snapshot must be one of ['sync', 'overlap'], got 'bogus'")
+    assert good["saved"] == ("ValueError", "rank 1: snapshot must be one of ['sync', 'overlap'], got 'bogus'")
+    assert bad["typed"][0] == good["typed"][0] == "TypeError"
+    assert "save(options=...) takes a unickpt.SaveOptions, got dict" in good["typed"][1]
+    assert bad["loaded"] == ("ValueError", "read_threads must be at least 1, got 0")
+    assert good["loaded"] == ("ValueError", "rank 1: read_threads must be at least 1, got 0")
+    for r in results:
+        assert r["differ"][0] == "ValueError" and "rank 0: True, rank 1: False" in r["differ"][1], r["differ"]
+        assert r["ok"] and r["committed"] == {"a": False, "b": False, "c": True}

@@ -212,7 +212,7 @@ def test_simulated_plans_are_what_make_local_plan_builds():
     import torch
 
     import unickpt
-    from unickpt.state.flatten import flatten
+    from unickpt.state.flat import flatten
 
     world, rank = 4, 1
     plans = ps.make_plans("7b", "fsdp", world)

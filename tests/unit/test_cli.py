@@ -103,3 +103,10 @@ def test_ls_of_a_checkpoint_and_inspect_of_one_without_step(tmp_path, capsys):
     assert capsys.readouterr().out == f"no checkpoints under {tmp_path / 'c'} (it is a checkpoint itself: see `unickpt inspect`)\n"
     assert main(["inspect", str(tmp_path / "c")]) == 0
     assert "unickpt v1   step -   framework -" in capsys.readouterr().out
+
+
+def test_inspect_of_a_file_says_it_is_not_a_checkpoint_directory(tmp_path, capsys):
+    f = tmp_path / "last.ckpt"
+    f.write_bytes(b"not a directory")
+    assert main(["inspect", str(f)]) == 2
+    assert "is a file, not a checkpoint directory" in capsys.readouterr().err

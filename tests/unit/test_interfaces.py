@@ -164,7 +164,84 @@ def test_old_module_paths_still_work_and_warn():
         from unickpt.storage import Storage
         from unickpt.pipeline import SaveOptions
     assert METADATA_FILE == "metadata.json" and SaveOptions is unickpt.SaveOptions
-    assert Storage is ext.open_storage and CheckpointMetadata is unickpt.CheckpointMetadata
+    assert isinstance(Storage(".", None), ext.StorageBackend) and CheckpointMetadata is unickpt.CheckpointMetadata
     texts = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
     assert any("unickpt.metadata is deprecated" in t for t in texts)
     assert any("unickpt.storage.Storage is deprecated" in t for t in texts)
+
+
+def test_deprecated_names_that_moved_or_changed_shape():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from unickpt.state import flatten  # the 0.1 function (its module is now unickpt.state.flat)
+        from unickpt.loading import DEFAULT_READ_BUFFER_BYTES, load_checkpoint
+        from unickpt.retention import update_latest
+        from unickpt.storage import Storage
+    assert flatten is ext.flatten and callable(update_latest) and DEFAULT_READ_BUFFER_BYTES == 512 << 20
+    assert callable(load_checkpoint)
+    backend = Storage("/tmp", retry_total_s=5)
+    assert isinstance(backend, Storage) and backend.is_local
+    texts = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert "unickpt.state.flatten is deprecated; import it from unickpt.state.flat" in texts
+    assert any(t.startswith("unickpt.storage.Storage is deprecated: Deprecated (0.1's storage class)") for t in texts)
+
+
+def test_python_m_unickpt_cli_still_runs_and_warns(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-m", "unickpt.cli", "ls", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "python -m unickpt.cli is deprecated; use python -m unickpt" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "unickpt", "ls", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_option_types_are_checked_and_named():
+    with pytest.raises(TypeError, match="SaveOptions.pool_bytes must be int or None, got str '1G'"):
+        unickpt.SaveOptions(pool_bytes="1G").validated()
+    with pytest.raises(TypeError, match="SaveOptions.piece_bytes must be int, got float 1048576.0"):
+        unickpt.SaveOptions(piece_bytes=float(1 << 20)).validated()
+    with pytest.raises(TypeError, match="SaveOptions.direct_io must be bool, got str 'no'"):
+        unickpt.SaveOptions(direct_io="no").validated()
+    with pytest.raises(TypeError, match="LoadOptions.redistribute must be bool or None, got str 'no'"):
+        unickpt.LoadOptions(redistribute="no").validated()
+    with pytest.raises(TypeError, match=r"load\(options=...\) takes a unickpt.LoadOptions, got SaveOptions"):
+        unickpt.load("/nonexistent", {}, options=unickpt.SaveOptions())
+
+
+def test_retention_keeps_a_committed_checkpoint_holding_user_files(tmp_path, caplog):
+    ckpt = unickpt.Checkpointer(tmp_path, keep_last=1)
+    ckpt.save(0, {"w": torch.ones(2)}).wait()
+    (tmp_path / "step_0" / "NOTES.txt").write_text("mine")
+    with caplog.at_level("WARNING", logger="unickpt"):
+        ckpt.save(1, {"w": torch.ones(2)}).wait()
+        ckpt.save(2, {"w": torch.ones(2)}).wait()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_0", "step_2"]  # step_1 went, step_0 is kept
+    assert (tmp_path / "step_0" / "NOTES.txt").read_text() == "mine"
+    assert "retention keeps" in caplog.text and "holds 'NOTES.txt', which no unickpt save writes" in caplog.text
+
+
+def test_a_closed_engine_says_so(tmp_path):
+    own = ext.new_engine(ext.THIS_PROCESS)
+    own.close()
+    with pytest.raises(RuntimeError, match="this engine is closed"):
+        own.save(str(tmp_path / "c"), {"w": torch.ones(1)})
+
+
+def test_a_checksum_error_names_the_key(tmp_path):
+    unickpt.save(tmp_path / "c", {"layer.weight": torch.arange(1000.0)})
+    data = tmp_path / "c" / "data" / "0_0.bin"
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(unickpt.IntegrityError, match=r"0_0.bin \('layer.weight'\): bytes \[0, 4000\) .* corrupt"):
+        unickpt.load(tmp_path / "c", {"layer.weight": torch.zeros(1000)})
+
+
+def test_save_failed_error_says_when_the_commit_is_unknown():
+    e = unickpt.SaveFailedError("/ckpt/step_1", {1: "lost contact with rank 0"}, committed=None)
+    assert str(e).startswith("save to '/ckpt/step_1' failed on rank(s) [1]; whether it committed is unknown")
+    assert str(unickpt.SaveFailedError("/x", {0: "boom"})).startswith("save to '/x' failed on rank(s) [0]; "
+                                                                       "nothing was committed")

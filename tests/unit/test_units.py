@@ -173,7 +173,7 @@ def test_megatron_metadata_json_gets_a_hint():
 def test_numpy_scalars_keep_their_type_through_flatten():
     """Regression: ``np.float64`` is a float subclass; the walk's fast path for plain leaves must not
     take it (it would come back as a python float), it goes through the codec's tagged form."""
-    from unickpt.state.flatten import flatten
+    from unickpt.state.flat import flatten
 
     import json
 

@@ -9,7 +9,7 @@ import torch
 
 import unickpt
 import unickpt.fsdp
-import unickpt.state.flatten
+import unickpt.state.flat
 from fsdp_workers import build, full_state, train
 
 
@@ -26,7 +26,7 @@ def save_unstepped(path: str, flavour: str, how: str) -> dict:
     state = {"model": model, "optim": optim} if how == "direct" else unickpt.fsdp.state(model, optim)
     unickpt.save(path, state, async_save=False)
     out = {"after_save": _optim_summary(optim), "grads": [p.grad is None for p in model.parameters()]}
-    with unickpt.state.flatten.optimizers_untouched():  # the reference read must not step it either
+    with unickpt.state.flat.optimizers_untouched():  # the reference read must not step it either
         before = full_state(model, optim)
     out["untouched_by_reference"] = _optim_summary(optim)
     train(model, optim, 1, seed=1)
@@ -34,7 +34,7 @@ def save_unstepped(path: str, flavour: str, how: str) -> dict:
     state = {"model": model, "optim": optim} if how == "direct" else unickpt.fsdp.state(model, optim)
     unickpt.load(path, state)
     out["after_load"] = _optim_summary(optim)
-    with unickpt.state.flatten.optimizers_untouched():
+    with unickpt.state.flat.optimizers_untouched():
         after = full_state(model, optim)
     if before is not None:
         out["weights_equal"] = _equal(before, after)
