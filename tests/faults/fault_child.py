@@ -63,6 +63,8 @@ def main() -> None:
     if resumed is not None:
         assert torch.equal(state["w"], value(resumed)) and state["step"] == resumed, "resumed state is wrong"
     start = 0 if resumed is None else resumed + 1
+    if stage == "loop":  # the parent kills at a random time after this line, whatever the start-up took
+        print(f"ready resumed={resumed}", flush=True)
     for step in range(start, start + num_steps):
         state["w"].copy_(value(step))
         state["step"] = step

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -23,6 +24,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 def run_child(root, stage="none", kill_step=-1, steps=3):
     return subprocess.run([sys.executable, CHILD, str(root), stage, str(kill_step), str(steps)], env=ENV,
                           capture_output=True, text=True, timeout=300)
+
+
+def check_latest(root) -> int | None:
+    """The step that ``latest`` names (None: no file yet)."""
+    try:
+        return int(open(os.path.join(root, "latest")).read().strip().removeprefix("step_"))
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def check_consistent(root) -> int | None:
@@ -65,8 +74,19 @@ def test_kill_at_random_times(tmp_path):
     trials, passed, steps = 8, 0, []
     for trial in range(trials):
         proc = subprocess.Popen([sys.executable, CHILD, str(root), "loop", "-1", "1000"], env=ENV,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        time.sleep(2.0 + rng.random() * 1.5)  # ~2 s of start-up, then a random point of the save loop
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        # start-up and the run's first save take 1-10 s depending on the machine's load: wait until
+        # this run committed a step of its own, then kill at a random point of the save loop
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        line = proc.stdout.readline() if ready else ""
+        assert line.startswith("ready resumed="), f"the child never reached its save loop: {line!r}"
+        resumed = line.split("=", 1)[1].strip()
+        first = 0 if resumed == "None" else int(resumed) + 1
+        deadline = time.monotonic() + 120
+        while (latest := check_latest(root)) is None or latest < first:
+            assert time.monotonic() < deadline and proc.poll() is None, "the child committed nothing"
+            time.sleep(0.02)
+        time.sleep(rng.random() * 1.0)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         steps.append(check_consistent(root))
