@@ -31,6 +31,14 @@ def test_resident_memory_after_100_async_saves_equals_that_after_2(tmp_path):
     assert growth < 4 * MIB, got
 
 
+
+def test_async_resident_memory_is_bounded_by_the_two_staging_rings(tmp_path):
+    # a 64 MiB state through two 32 MiB rings: the second ring's pages become resident the first time
+    # two saves overlap (a one-time step of at most one ring), and nothing grows after that
+    got = _run("async", str(tmp_path), "100", "64", "32")
+    assert got["rss_after_100_kib"] - got["rss_after_2_kib"] < 32 * MIB + 4 * MIB, got
+    assert got["rss_after_100_kib"] - got["rss_after_10_kib"] < 4 * MIB, got  # 90 saves: no per-save growth
+
 def test_a_sync_save_peaks_at_its_staging_ring_not_the_state(tmp_path):
     got = _run("sync", str(tmp_path), "256", "32")  # a 256 MiB state through a 32 MiB ring
     assert got["state_kib"] == 256 * MIB and got["hwm_before_kib"] - got["rss_before_kib"] < 8 * MIB
