@@ -1,19 +1,22 @@
 """Planner simulation: the real save and load planners for simulated jobs of 8 to 10,000 ranks, in one
 process, without tensor data.
 
-Each simulated rank is described by the :class:`unickpt.planner.LocalPlan` its engine would build
-(``fqn -> (dtype, global shape, box or flat range)``, what :func:`unickpt.planner.make_local_plan`
-derives from a flattened state); only shapes and offsets exist, no tensor is allocated. Then the
-code the engine runs is called as it is:
+Each simulated rank is described by the :class:`unickpt.plan.save_plan.LocalPlan` its engine would
+build (``fqn -> (dtype, global shape, spec)``, what :func:`~unickpt.plan.save_plan.make_local_plan`
+derives from a flattened state: a box or flat range, or, for a shard that is exactly the rank's part
+of an even split of the group as FSDP2 holds it, that :class:`~unickpt.geometry.EvenSplit`); only
+shapes and offsets exist, no tensor is allocated. Then the code the engine runs is called as it is:
 
-* save: :func:`unickpt.planner.make_save_plan` (global plan: dedup of replicas, coverage check,
-  writer balancing, files and offsets) on the plans the engine would gather (ranks whose plan
-  signature repeats an earlier rank's send nothing: :func:`unickpt.planner.expand_plans`),
-  the metadata the commit writes (:func:`unickpt.metadata.build_metadata`, with synthetic checksums
-  of the real length), its JSON size and its parse time (:meth:`CheckpointMetadata.from_json`);
-* resharding load: every target rank's byte ranges per stored chunk
-  (:func:`unickpt.read_plan.chunk_needs`, what :class:`unickpt.reader.TargetReads` records) and the
-  zero-redundancy read plan (:func:`unickpt.read_plan.make_read_plan`).
+* save: the ranks first with their plan signature encode their plans, every rank decodes them
+  (:func:`~unickpt.plan.save_plan.decode_plans`) and runs :func:`~unickpt.plan.save_plan.make_save_plan`
+  (global plan: splits recognised, dedup of replicas, coverage check, writer balancing); rank 0's own
+  files and offsets (``plan.writes[0]``) and index file (format v2); the metadata the commit writes
+  (:func:`unickpt.saving.commit.build_metadata`, with synthetic checksums of the real count and
+  length), its JSON size and its parse time (:meth:`CheckpointMetadata.from_json`);
+* resharding load: every target rank's needs as the loader computes them
+  (:func:`unickpt.loading.targets.spec_needs`), what it sends (:func:`unickpt.loading.loader.needs_doc`)
+  and its part of the zero-redundancy read plan (:func:`unickpt.loading.loader.plan_reads`), for a
+  sample of ranks (first, second, middle, last).
 
 Models: Llama-2-7B, Llama-3-70B, Llama-3.1-405B shapes (layers, hidden, ffn, vocab, kv heads from
 the published configs), bf16 parameters plus AdamW's two fp32 moments. Layouts:
@@ -31,9 +34,9 @@ the published configs), bf16 parameters plus AdamW's two fp32 moments. Layouts:
 
 Run::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_sim.py            # the table (a few minutes)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_sim.py            # the table (~30 min here)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_sim.py --quick    # 8..512 ranks
-    .venv/bin/python benchmarks/plan_sim.py --profile --model 405b --layout 3d --world 4096
+    .venv/bin/python benchmarks/plan_sim.py --model 405b --layout fsdp --world 2048 [--target 1536] [--profile]
 
 Output: ``benchmarks/results/plan_sim.json`` (one record per case) and ``plan_sim.md`` (tables and
 fitted growth exponents: the slope of log(seconds) against log(ranks x chunks per rank)).
@@ -52,13 +55,14 @@ import time
 from dataclasses import dataclass
 
 from unickpt.format.dtypes import str_to_dtype
+from unickpt.format.index import HEADER, RECORD, IndexRecord, encode_index
 from unickpt.format.integrity import CHECKSUM_BLOCK_BYTES, block_size
 from unickpt.format.metadata import CheckpointMetadata
 from unickpt.saving.commit import build_metadata
 from unickpt.plan.save_plan import LocalPlan, decode_plans, make_save_plan
-from unickpt.plan.read_plan import make_read_plan
-from unickpt.loading.targets import merge_ranges, piece_runs, widen_to_blocks
-from unickpt.geometry import Box, ChunkIndex, FlatRange, chunk_pieces
+from unickpt.loading.loader import needs_doc, plan_reads
+from unickpt.loading.targets import ChunkTable, TargetReads, spec_needs
+from unickpt.geometry import Box, EvenSplit, FlatRange
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _clock = time.process_time
@@ -88,6 +92,7 @@ MODELS = {  # from the published Hugging Face configs
     "7b": ModelConfig("Llama-2-7B", 32, 4096, 11008, 32000, 32, 32),
     "70b": ModelConfig("Llama-3-70B", 80, 8192, 28672, 128256, 64, 8),
     "405b": ModelConfig("Llama-3.1-405B", 126, 16384, 53248, 128256, 128, 8),
+    "tiny": ModelConfig("tiny (tests)", 4, 256, 688, 1000, 8, 4),  # Llama-shaped, for fast exact checks
 }
 
 COL, ROW, REP = "col", "row", "rep"  # TP split: along dim 0 (output features), dim 1 (input), replicated
@@ -140,18 +145,38 @@ def _plan(rank: int, tensors: dict) -> LocalPlan:
     return LocalPlan(rank=rank, tensors=tensors)
 
 
+def as_local(tensors: dict, rank: int, world: int) -> dict:
+    """What :func:`unickpt.plan.save_plan.make_local_plan` records for these shards on ``rank`` of
+    ``world``: a shard that is exactly the rank's part of an even split of the group becomes that
+    :class:`EvenSplit` (format v2)."""
+    return {fqn: (d, shape, EvenSplit.detect(shape, spec, rank, world) or spec) for fqn, (d, shape, spec) in tensors.items()}
+
+
+def fsdp_boxes(cfg: ModelConfig, world: int, rank: int, optim: bool = True) -> dict:
+    """Rank ``rank``'s shards under FSDP2 over ``world`` ranks (boxes, as the state holds them)."""
+    t = {}
+    for fqn, shape, _, _ in model_params(cfg):
+        box = _dim0(shape[0], world, rank, shape)
+        for prefix, dtype in (STATES if optim else STATES[:1]):
+            t[prefix + fqn] = (dtype, shape, box)
+    return t
+
+
+SAMPLE = lambda world: sorted({0, 1, world // 2, world - 1} & set(range(world)))  # noqa: E731
+
+
 def fsdp_plans(cfg: ModelConfig, world: int, optim: bool = True) -> list[LocalPlan]:
-    """FSDP2 (``fully_shard``): every parameter and moment split along dim 0 over all ranks."""
-    params = model_params(cfg)
-    states = STATES if optim else STATES[:1]
-    plans = []
-    for r in range(world):
-        t = {}
-        for fqn, shape, _, _ in params:
-            box = _dim0(shape[0], world, r, shape)
-            for prefix, dtype in states:
-                t[prefix + fqn] = (dtype, shape, box)
-        plans.append(_plan(r, t))
+    """FSDP2 (``fully_shard``): every parameter and moment split along dim 0 over all ranks. A rank's
+    local plan records each non-empty shard as its part of ``EvenSplit(0, world)`` and the rest as
+    empty, so ranks whose parts are empty for the same tensors have equal plans (the engine's
+    signature exchange finds them equal and gathers one): the ranks between two consecutive
+    "first empty part" thresholds share one plan, built for the first and checked on the last."""
+    edges = sorted({0, world} | {min(world, -(-shape[0] // -(-shape[0] // world))) for _, shape, _, _ in model_params(cfg)})
+    plans: list[LocalPlan] = []
+    for lo, hi in zip(edges, edges[1:]):
+        shared = as_local(fsdp_boxes(cfg, world, lo, optim), lo, world)
+        assert as_local(fsdp_boxes(cfg, world, hi - 1, optim), hi - 1, world) == shared
+        plans += [_plan(r, shared) for r in range(lo, hi)]
     return plans
 
 
@@ -185,8 +210,12 @@ def hsdp_plans(cfg: ModelConfig, world: int, shard_group: int = 8, optim: bool =
     signatures let the engine gather it once)."""
     if world % shard_group:
         raise ValueError(f"world {world} is not a multiple of the shard group {shard_group}")
-    group = fsdp_plans(cfg, shard_group, optim)
-    return [LocalPlan(rank=r, tensors=group[r % shard_group].tensors) for r in range(world)]
+    group = [fsdp_boxes(cfg, shard_group, i, optim) for i in range(shard_group)]
+    for r in SAMPLE(world):  # no shard is its rank's part of a split of the whole group: boxes stay
+        assert as_local(group[r % shard_group], r, world) == group[r % shard_group] or world == shard_group
+    if world == shard_group:  # FSDP2 over all ranks
+        group = [as_local(t, i, world) for i, t in enumerate(group)]
+    return [LocalPlan(rank=r, tensors=group[r % shard_group]) for r in range(world)]
 
 
 def pp_stage(unit: int, layers: int, pp: int) -> int:
@@ -243,7 +272,9 @@ def plans_3d(cfg: ModelConfig, world: int, tp: int = 8, optim: bool = True) -> l
             for dp_i in range(dp):
                 plans.append(_plan((pp_i * dp + dp_i) * tp + tp_i, per_dp[dp_i]))
     plans.sort(key=lambda p: p.rank)
-    return plans
+    # what make_local_plan records: the boxes, except that a rank holding nothing of a tensor whose part
+    # of an even split of the group would be empty too records that split (FSDP2's trailing ranks do)
+    return [_plan(p.rank, as_local(p.tensors, p.rank, world)) for p in plans]
 
 
 def _tp_box(shape: tuple[int, ...], split: str, tp: int, i: int) -> Box:
@@ -273,33 +304,44 @@ def make_plans(model: str, layout: str, world: int, optim: bool = True) -> list[
 # --------------------------------------------------------------------------------------------- #
 # Measurements
 # --------------------------------------------------------------------------------------------- #
-def synthetic_digests(plan) -> list[list[tuple[str, tuple[str, ...], int]]]:
-    """Per rank, per written chunk: a checksum, block checksums and block size of the lengths the
-    save pipeline produces (format v1: one xxh3-64 per chunk, one per block for chunks > 1 MiB)."""
+def _digest(i: int) -> str:
+    return f"xxh3_64:{i & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+_BLOCKS: dict[int, tuple] = {}  # one tuple per block count (the JSON text is what is measured)
+
+
+def _synthetic(nbytes: int, i: int) -> tuple[str, tuple[str, ...], int]:
+    """A checksum, block checksums and block size of the lengths the save pipeline produces (one
+    xxh3-64 per chunk, one per block for chunks > 1 MiB)."""
+    if nbytes <= CHECKSUM_BLOCK_BYTES:
+        return _digest(i), (), 0
+    b = block_size(nbytes)
+    n = -(-nbytes // b)
+    if n not in _BLOCKS:
+        _BLOCKS[n] = tuple(_digest(k) for k in range(n))
+    return _digest(i), _BLOCKS[n], b
+
+
+def _split_parts(plan) -> list[tuple[int, int]]:
+    """``(part bytes, count)`` of every split tensor's non-empty parts (full parts and the last)."""
     out = []
-    blocks: dict[int, tuple] = {}  # one tuple per block count (the JSON text is what is measured)
-    for r, writes in enumerate(plan.writes):
-        rank = []
-        for i, c in enumerate(writes):
-            digest = f"xxh3_64:{(r * 1_000_003 + i) & 0xFFFFFFFFFFFFFFFF:016x}"
-            if c.nbytes > CHECKSUM_BLOCK_BYTES:
-                b = block_size(c.nbytes)
-                n = -(-c.nbytes // b)
-                if n not in blocks:
-                    blocks[n] = tuple(f"xxh3_64:{k:016x}" for k in range(n))
-                rank.append((digest, blocks[n], b))
-            else:
-                rank.append((digest, (), 0))
-        out.append(rank)
-    return out
+    for fqn, (split, _) in plan.splits.items():
+        dtype, shape = plan.tensors[fqn]
+        m = split.nonempty(shape)
+        row = math.prod(shape) // shape[split.dim] * str_to_dtype(dtype).itemsize
+        step = split.step(shape)
+        out += [(step * row, m - 1), ((shape[split.dim] - (m - 1) * step) * row, 1)]
+    return [(n, c) for n, c in out if c and n]
 
 
 def measure_save(plans: list[LocalPlan], *, parse: bool = True) -> tuple[dict, CheckpointMetadata]:
     """Plan a save as the engine does on a plan-cache miss: the ranks that are first with their
     signature encode their plans (:meth:`LocalPlan.to_bytes`, without the tensor table when an earlier
-    rank has the same), every rank decodes the gathered
-    bytes, expands them and runs :func:`make_save_plan`; then the commit's metadata is built,
-    serialized and parsed."""
+    rank has the same), every rank decodes the gathered bytes, expands them and runs
+    :func:`make_save_plan`; then rank 0's layout of its own files (what a rank executes), its index
+    file (format v2, with synthetic checksums), the commit's metadata (with synthetic checksums of the
+    real count and length, from every rank's explicit chunks), serialized and parsed."""
     world = len(plans)
     firsts = _firsts(plans)
     digests: dict[int, str] = {}  # each rank computes its own table digest (in parallel, at every save)
@@ -317,96 +359,137 @@ def measure_save(plans: list[LocalPlan], *, parse: bool = True) -> tuple[dict, C
     plan = make_save_plan(gathered)
     plan_s = _clock() - t0
     del gathered
-    digests = synthetic_digests(plan)
     t0 = _clock()
-    meta = build_metadata(plan, [{"digests": d, "per_rank_file": None} for d in digests], world_size=world,
-                          skeleton={"t": "dict"}, step=0, run_id="sim")
+    mine = plan.writes[0]  # what rank 0 stages and writes (every rank lays out its own, in parallel)
+    rank_layout_s = _clock() - t0
+    t0 = _clock()
+    index = encode_index(0, len(plan.splits), {c.slot: IndexRecord(c.segment, c.offset, c.nbytes, *_synthetic(c.nbytes, i))
+                                                for i, c in enumerate(mine) if c.slot >= 0}) if plan.splits else b""
+    index_s = _clock() - t0
+    results = []
+    explicit_chunks = explicit_blocks = 0
+    for r in range(world):
+        ex = plan.explicit[r]
+        ds = [_synthetic(n, r * 1_000_003 + i) for i, (_, _, n) in enumerate(ex)]
+        results.append({"digests": ds, "places": [(0, 0)] * len(ex), "per_rank_file": None})
+        explicit_chunks += len(ex)
+        explicit_blocks += sum(len(d[1]) for d in ds)
+    t0 = _clock()
+    meta = build_metadata(plan, results, world_size=world, skeleton={"t": "dict"}, step=0, run_id="sim")
     text = meta.to_json().encode()
     build_s = _clock() - t0
-    del meta, digests
+    del meta, results
     parsed, parse_s = None, None
     if parse:
         gc.collect()
         t0 = _clock()
         parsed = CheckpointMetadata.from_json(text)
         parse_s = _clock() - t0
-    chunks = sum(len(w) for w in plan.writes)
-    blocks = sum(-(-c.nbytes // block_size(c.nbytes)) for w in plan.writes for c in w if c.nbytes > CHECKSUM_BLOCK_BYTES)
+    parts = _split_parts(plan)
+    split_chunks = sum(c for _, c in parts)
+    split_blocks = sum(c * (-(-n // block_size(n)) if n > CHECKSUM_BLOCK_BYTES else 0) for n, c in parts)
+    index_total = (world * (HEADER.size + RECORD.size * len(plan.splits)) + 8 * split_blocks) if plan.splits else 0
     rec = {
         "world": world, "plan_entries": sum(len(p.tensors) for p in plans), "distinct_plans": sum(
             1 for r, f in enumerate(firsts) if r == f), "gathered_bytes": sum(len(b) for b in blobs),
-        "chunks": chunks, "tensors": len(plan.tensors),
+        "chunks": explicit_chunks + split_chunks, "explicit_chunks": explicit_chunks,
+        "split_tensors": len(plan.splits), "tensors": len(plan.tensors),
         "encode_all_s": round(encode_s, 3), "decode_s": round(decode_s, 3), "plan_s": round(plan_s, 3),
-        "planning_s": round(decode_s + plan_s, 3), "metadata_build_s": round(build_s, 3),
-        "metadata_bytes": len(text), "metadata_bytes_per_chunk": round(len(text) / max(1, chunks), 1),
+        "planning_s": round(decode_s + plan_s, 3), "rank_layout_s": round(rank_layout_s, 4),
+        "index_encode_s": round(index_s, 4), "metadata_build_s": round(build_s, 3),
+        "metadata_bytes": len(text), "metadata_bytes_per_chunk": round(len(text) / max(1, explicit_chunks + split_chunks), 1),
         "metadata_parse_s": None if parse_s is None else round(parse_s, 3),
-        "block_checksums": blocks, "block_checksum_bytes": blocks * len('"xxh3_64:0123456789abcdef",'),
+        "block_checksums": explicit_blocks, "block_checksum_bytes": explicit_blocks * len('"xxh3_64:0123456789abcdef",'),
+        "index_bytes_rank0": len(index), "index_bytes_total": index_total,
         "max_mean_bytes": round(plan.max_mean_bytes, 4), "bytes": sum(plan.bytes_per_rank),
     }
     return rec, parsed
 
 
 def _firsts(plans: list[LocalPlan]) -> list[int]:
-    """For each rank, the first rank whose plan has the same content (the engine compares
-    signatures; the simulation's replicas share one tensors dict)."""
-    seen: dict[int, int] = {}
-    return [seen.setdefault(id(p.tensors), i) for i, p in enumerate(plans)]
+    """For each rank, the first rank whose plan has the same content: what the engine's signature
+    exchange finds (ranks sharing one tensors dict are equal; distinct dicts are compared by their
+    :meth:`LocalPlan.signature`, one per distinct dict)."""
+    by_id: dict[int, int] = {}
+    by_sig: dict[str, int] = {}
+    out = []
+    for r, p in enumerate(plans):
+        f = by_id.get(id(p.tensors))
+        if f is None:
+            f = by_id[id(p.tensors)] = by_sig.setdefault(p.signature(), r)
+        out.append(f)
+    return out
 
 
-def measure_load(meta: CheckpointMetadata, targets: list[LocalPlan], *, verify: bool = True) -> dict:
-    """Resharding load of ``meta`` into ``targets``: each rank's needs as
-    :meth:`unickpt.reader.TargetReads.add` computes them (chunk index, overlaps, byte runs, merged,
-    widened to checksum blocks), then the job-wide read plan every rank computes from the gathered
-    needs. Ranks with identical plans (replicas) compute identical needs; they are computed once."""
+def measure_load(meta: CheckpointMetadata, targets: list[LocalPlan], *, verify: bool = True,
+                 all_ranks: bool = False) -> dict:
+    """Resharding load of ``meta`` into ``targets``, with the loader's own functions: each rank's
+    needs (:func:`unickpt.loading.targets.spec_needs`, what ``TargetReads.add`` records; ranks with
+    identical plans compute identical needs, computed once) and what it sends to the read plan
+    (:func:`~unickpt.loading.loader.needs_doc`); ranks whose docs are equal send one (the engine
+    compares needs signatures). Then :func:`~unickpt.loading.loader.plan_reads`, the rank's part of
+    the read plan, for a sample of ranks (first, second, middle, last: the job-wide part is the same
+    on every rank, the chunk-by-chunk part of split targets is the rank's own): ``read_plan_s`` is
+    the slowest. ``all_ranks``: every rank's part, and ``bytes_read``, the bytes all readers read
+    (each stored byte once: the zero-redundancy check of the tests)."""
     t0 = _clock()
-    ids, index, chunk_meta = {}, {}, {}
-    cid = 0
-    for fqn in sorted(meta.tensors):  # the numbering of loading._ChunkTable
-        t = meta.tensors[fqn]
-        ids[fqn] = list(range(cid, cid + len(t.chunks)))
-        chunk_meta[fqn] = t.chunks
-        index[fqn] = ChunkIndex(t.shape, [c.spec for c in t.chunks])
-        cid += len(t.chunks)
+    table = ChunkTable(meta)
     index_s = _clock() - t0
-    itemsize = {fqn: str_to_dtype(t.dtype).itemsize for fqn, t in meta.tensors.items()}
-    needs: list[dict] = []
+    world = len(targets)
     need_s: list[float] = []
-    cache: dict[int, dict] = {}
-    for p in targets:
-        if id(p.tensors) in cache:
-            needs.append(cache[id(p.tensors)])
-            continue
+    cache: dict[int, tuple] = {}
+    docs_by_text: dict[bytes, int] = {}
+    firsts, docs, ranges_of = [], {}, {}
+    sample = set(range(world)) if all_ranks else set(SAMPLE(world))
+    entries = 0
+    for r, p in enumerate(targets):
+        got = cache.get(id(p.tensors))
+        if got is None or r in sample:
+            t0 = _clock()
+            need = TargetReads(r, world)
+            for fqn, (_, shape, spec) in p.tensors.items():
+                if isinstance(spec, EvenSplit):  # the local plan's form of the rank's box: the box itself
+                    spec = spec.part(shape, r)
+                ranges, split = spec_needs(table, fqn, spec, r, world, verify)
+                if split is not None:
+                    need.splits[fqn] = split
+                need.ranges.update(ranges)
+            doc = needs_doc(need, table, verify)
+            need_s.append(_clock() - t0)
+            got = cache[id(p.tensors)] = (doc, need.ranges)
+        doc, ranges = got
+        f = docs_by_text.setdefault(doc, r)
+        if f == r:
+            docs[r] = json.loads(doc)
+        firsts.append(f)
+        entries += len(ranges)  # a rank outside the sample needs as many chunks as its plan's first rank
+        if r in sample:
+            ranges_of[r] = ranges
+    plan_s, segments, bytes_read = [], 0, 0
+    for r in sorted(sample):
+        if not all_ranks:
+            gc.collect()
         t0 = _clock()
-        ranges: dict[int, list] = {}
-        for fqn, (_, shape, spec) in p.tensors.items():
-            if spec is None:
-                continue
-            by_chunk: dict[int, list] = {}
-            for piece in chunk_pieces(spec, shape):
-                for i, pc, inter in index[fqn].overlapping(piece.box):
-                    by_chunk.setdefault(i, []).append((pc, inter))
-            isz = itemsize[fqn]
-            for i, found in by_chunk.items():
-                rs = merge_ranges(piece_runs(found, isz))
-                ranges[ids[fqn][i]] = widen_to_blocks(rs, chunk_meta[fqn][i]) if verify else rs
-        need_s.append(_clock() - t0)
-        cache[id(p.tensors)] = ranges
-        needs.append(ranges)
-    gc.collect()
-    t0 = _clock()
-    segments = make_read_plan(needs)
-    read_plan_s = _clock() - t0
-    return {"target_world": len(targets), "need_entries": sum(len(n) for n in needs), "segments": len(segments),
-            "index_s": round(index_s, 3), "needs_per_rank_max_s": round(max(need_s), 4),
-            "needs_all_ranks_s": round(sum(need_s), 3), "read_plan_s": round(read_plan_s, 3),
-            "bytes_read": sum(s.length for s in segments)}
+        mine = plan_reads(r, table, firsts, docs, ranges_of[r])
+        plan_s.append(_clock() - t0)
+        segments = max(segments, len(mine))
+        bytes_read += sum(s.length for s in mine if s.reader == r)
+    rec = {"target_world": world, "need_entries": entries, "distinct_needs": len(docs),
+           "listed_need_entries": sum(len(d["n"]) for d in docs.values()),
+           "split_targets": len(docs[0]["s"]) if 0 in docs else 0, "segments_per_rank_max": segments,
+           "index_s": round(index_s, 3), "needs_per_rank_max_s": round(max(need_s), 4),
+           "read_plan_s": round(max(plan_s), 3)}
+    if all_ranks:
+        rec["bytes_read"] = bytes_read
+    return rec
 
 
 # --------------------------------------------------------------------------------------------- #
 # The table
 # --------------------------------------------------------------------------------------------- #
 WORLDS = (8, 64, 512, 4096, 10000)
-LOAD_TARGET = {8: 16, 64: 48, 512: 384, 4096: 3072, 10000: 7680}  # resharding loads: ~3/4 of the ranks
+FSDP_WORLDS = (8, 64, 512, 2048, 4096, 10000)
+LOAD_TARGET = {8: 16, 64: 48, 512: 384, 2048: 1536, 4096: 3072, 10000: 7680}  # resharding loads: ~3/4 of the ranks
 QUICK_WORLDS = (8, 64, 512)
 
 
@@ -453,6 +536,9 @@ def _growth(records: list[dict]) -> dict:
             "planning_s_vs_world": fit_exponent([r["world"] for r in rs], [r["planning_s"] for r in rs]),
             "metadata_bytes_vs_chunks": fit_exponent([r["chunks"] for r in rs], [r["metadata_bytes"] for r in rs]),
             "metadata_bytes_vs_world": fit_exponent([r["world"] for r in rs], [r["metadata_bytes"] for r in rs]),
+            "index_bytes_vs_world": fit_exponent([r["world"] for r in rs], [r["index_bytes_total"] for r in rs]),
+            "read_plan_s_vs_world": fit_exponent([r["load"]["target_world"] for r in loads],
+                                                 [r["load"]["read_plan_s"] for r in loads]),
             "read_plan_s_vs_need_entries": fit_exponent([r["load"]["need_entries"] for r in loads],
                                                         [r["load"]["read_plan_s"] for r in loads]),
         }
@@ -464,24 +550,30 @@ def markdown(records: list[dict], growth: dict, machine: dict) -> str:
              f"Machine: {machine['cpus']} CPUs, load average {machine['load_avg']} at the start, "
              f"{machine['load_avg_end']} at the end (shared with other jobs: seconds are upper bounds). "
              "Planning = decode of the gathered compact plans + make_save_plan, as every rank runs it on a "
-             "plan-cache miss. Read plan = make_read_plan over all target ranks' needs; needs/rank = the "
-             "slowest rank's own need computation (ranks compute theirs in parallel).", "",
-             "| model | layout | state | ranks | plan entries | chunks | planning s | metadata MB (block checksums) "
-             "| parse s | max/mean bytes | load into | read plan s | needs/rank s |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "plan-cache miss. Chunks = stored chunks (split tensors' parts included); metadata = metadata.json "
+             "(in brackets: its block checksums); index = all index files (format v2), each writer's alone in "
+             "brackets. Read plan = the slowest sampled rank's part of the read plan (plan_reads: the job-wide "
+             "plan of listed needs, and its own split targets' chunks); needs/rank = the slowest sampled rank's "
+             "own need computation (ranks compute theirs in parallel).", "",
+             "| model | layout | state | ranks | plan entries | distinct plans | chunks | planning s | metadata MB "
+             "| index MB | parse s | max/mean bytes | load into | read plan s | needs/rank s |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in records:
         ld = r["load"] or {}
-        lines.append(f"| {r['model']} | {r['layout']} | {r['state']} | {r['world']} | {r['plan_entries']:,} | "
-                     f"{r['chunks']:,} | {r['planning_s']:.2f} | {r['metadata_bytes'] / 1e6:.1f} "
-                     f"({r['block_checksum_bytes'] / 1e6:.1f}) | {r['metadata_parse_s']:.2f} | "
-                     f"{r['max_mean_bytes']:.3f} | {ld.get('target_world', '-')} | "
+        lines.append(f"| {r['model']} | {r['layout']} | {r['state']} | {r['world']:,} | {r['plan_entries']:,} | "
+                     f"{r['distinct_plans']:,} | {r['chunks']:,} | {r['planning_s']:.2f} | "
+                     f"{r['metadata_bytes'] / 1e6:.1f} ({r['block_checksum_bytes'] / 1e6:.1f}) | "
+                     f"{r['index_bytes_total'] / 1e6:.1f} ({r['index_bytes_rank0'] / 1e6:.2f}) | "
+                     f"{r['metadata_parse_s']:.2f} | {r['max_mean_bytes']:.3f} | {ld.get('target_world', '-')} | "
                      f"{ld.get('read_plan_s', '-')} | {ld.get('needs_per_rank_max_s', '-')} |")
     lines += ["", "Fitted growth exponents (slope of log-log; 1.0 = linear):", "",
               "| model/layout | planning vs ranks x entries | planning vs ranks | metadata bytes vs chunks | "
-              "metadata bytes vs ranks | read plan vs need entries |", "|---|---:|---:|---:|---:|---:|"]
+              "metadata bytes vs ranks | index bytes vs ranks | read plan vs need entries | read plan vs ranks |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for k, g in growth.items():
         lines.append(f"| {k} | {g['planning_s_vs_entries']} | {g['planning_s_vs_world']} | "
-                     f"{g['metadata_bytes_vs_chunks']} | {g['metadata_bytes_vs_world']} | {g['read_plan_s_vs_need_entries']} |")
+                     f"{g['metadata_bytes_vs_chunks']} | {g['metadata_bytes_vs_world']} | {g['index_bytes_vs_world']} | "
+                     f"{g['read_plan_s_vs_need_entries']} | {g['read_plan_s_vs_world']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -511,7 +603,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     worlds = QUICK_WORLDS if args.quick else WORLDS
     cases = [("405b", "3d", w, True) for w in worlds] + [("405b", "hsdp", w, True) for w in worlds]
-    cases += [("405b", "fsdp", w, True) for w in QUICK_WORLDS] + [("405b", "fsdp-flat", w, True) for w in QUICK_WORLDS]
+    cases += [("405b", "fsdp", w, True) for w in (QUICK_WORLDS if args.quick else FSDP_WORLDS)]
+    cases += [("405b", "fsdp-flat", w, True) for w in QUICK_WORLDS]
     cases += [("405b", "3d", worlds[-1], False), ("405b", "hsdp", worlds[-1], False)]
     records = []
     for model, layout, world, optim in cases:

@@ -749,7 +749,7 @@ def _train_loop(b: Bench, cfg: dict, s: str, saves: int, warmup: bool, baseline:
     for w in pending:
         w.join()
     stages = [w.handle.stats.as_dict() if hasattr(w.handle, "stats") else None for w in pending]
-    per = b.gather((rows, [w.durable_s for w in pending], stages))
+    per = b.gather((rows, [w.durable_s for w in pending], stages, [w.error for w in pending]))
     for w in pending:
         b.rm(w.path)
     if b.rank != 0:
@@ -765,7 +765,9 @@ def _train_loop(b: Bench, cfg: dict, s: str, saves: int, warmup: bool, baseline:
     busy_steps = [r[0] for r in body if r[2]]
     idle_steps = [r[0] for r in body if not r[2]]
     stalls = [r[1] for r in step_rows if r[1] is not None]
-    durables = [max(d) for d in zip(*[p[1] for p in per])]
+    # a save that failed on some rank has no durable time (its error is in the record)
+    durables = [None if None in d else max(d) for d in zip(*[p[1] for p in per])]
+    errors = sorted({e for p in per for e in p[3] if e})
     step_time, idle = _med(busy_steps), _med(idle_steps)
     # the baseline: this loop's own steps without a save in flight (measured in the same minute,
     # so a shared machine's drift cancels out); the `none` run's steps when there are too few
@@ -775,7 +777,8 @@ def _train_loop(b: Bench, cfg: dict, s: str, saves: int, warmup: bool, baseline:
         baseline_step_time_s=ref, idle_step_time_s=idle, none_step_time_s=baseline,
         interference=round(step_time / ref - 1, 4) if step_time and ref else None,
         interference_vs_none=round(step_time / baseline - 1, 4) if step_time and baseline else None,
-        stall_samples_s=[round(x, 4) for x in stalls], durable_samples_s=[round(x, 4) for x in durables],
+        stall_samples_s=[round(x, 4) for x in stalls],
+        durable_samples_s=[None if x is None else round(x, 4) for x in durables], **({"errors": errors} if errors else {}),
         busy_steps=len(busy_steps), idle_steps=len(idle_steps), step_samples_s=[round(r[0], 4) for r in body])
     if per[0][2] and per[0][2][0]:  # unickpt: per save, each stage's slowest rank
         rec["stages_max_s"] = [_stages_max([p[2][j] for p in per]) for j in range(len(pending))]
@@ -791,11 +794,16 @@ class _Waiter:
                  rank: int = 0):
         self.t0, self.handle, self.path = t0, handle, path
         self.durable_s: float | None = None
+        self.error: str | None = None
         self._t = threading.Thread(target=self._run, args=(durable, previous, rank), daemon=True)
         self._t.start()
 
     def _run(self, durable: Callable, previous: "_Waiter | None", rank: int) -> None:
-        durable()
+        try:
+            durable()
+        except Exception as e:  # the system's save failed: recorded (durable_s stays None), the loop goes on
+            self.error = f"{type(e).__name__}: {e}"
+            return
         self.durable_s = time.perf_counter() - self.t0
         if previous is not None and rank == 0:
             previous.join()

@@ -21,6 +21,8 @@ __all__ = [
     "Box",
     "FlatRange",
     "ChunkSpec",
+    "EvenSplit",
+    "SplitIndex",
     "ChunkIndex",
     "Piece",
     "chunk_pieces",
@@ -59,6 +61,93 @@ class FlatRange:
 
 
 ChunkSpec = Box | FlatRange
+
+
+@dataclass(frozen=True)
+class EvenSplit:
+    """A tensor cut into ``parts`` along ``dim`` the way ``torch.chunk`` cuts it (FSDP2's and
+    DTensor ``Shard(dim)``'s semantics): with ``step = ceil(n / parts)`` for ``n = shape[dim]``, part
+    ``k`` holds indices ``[k * step, min((k + 1) * step, n))`` of that dim and every other dim whole;
+    trailing parts may be empty. Part ``k`` belongs to group rank ``k`` (format v2: its writer).
+    One rule stands for ``parts`` chunks: a layout of ranks x tensors shards is described in
+    O(tensors)."""
+
+    dim: int
+    parts: int
+
+    def step(self, shape: Sequence[int]) -> int:
+        """Indices of ``dim`` per (non-trailing) part."""
+        return max(1, -(-shape[self.dim] // self.parts))
+
+    def bounds(self, shape: Sequence[int], k: int) -> tuple[int, int]:
+        """``(lo, hi)``: the indices of ``dim`` part ``k`` holds (``lo == hi``: empty)."""
+        n, step = shape[self.dim], self.step(shape)
+        lo = min(k * step, n)
+        return lo, min(lo + step, n)
+
+    def part(self, shape: Sequence[int], k: int) -> Box | None:
+        """The box of part ``k`` (None when it is empty)."""
+        lo, hi = self.bounds(shape, k)
+        if hi <= lo or 0 in shape:
+            return None
+        d = self.dim
+        return Box((0,) * d + (lo,) + (0,) * (len(shape) - d - 1), tuple(shape[:d]) + (hi - lo,) + tuple(shape[d + 1:]))
+
+    def nonempty(self, shape: Sequence[int]) -> int:
+        """How many parts are not empty (they are the first ones)."""
+        return 0 if 0 in shape else -(-shape[self.dim] // self.step(shape))
+
+    def parts_between(self, shape: Sequence[int], lo: int, hi: int) -> range:
+        """The non-empty parts holding any index of ``[lo, hi)`` along ``dim``."""
+        if hi <= lo:
+            return range(0)
+        step = self.step(shape)
+        return range(lo // step, min(self.nonempty(shape), -(-hi // step)))
+
+    @staticmethod
+    def detect(shape: Sequence[int], spec: "ChunkSpec | None", rank: int, world: int) -> "EvenSplit | None":
+        """The split along the first dim for which ``spec`` is exactly part ``rank`` of
+        ``EvenSplit(dim, world)`` (a non-empty box), or None (also for ``spec`` None, ``world < 2``,
+        0-d and empty tensors, flat ranges). Every rank of an FSDP2 / ``Shard(dim)`` layout over the
+        whole group finds the same rule (a rank whose part is empty holds nothing and declares
+        nothing), so their local plans are equal (the basis of format v2's compact metadata).
+        Returns one object per value."""
+        if spec is None or world < 2 or not shape or 0 in shape or isinstance(spec, FlatRange):
+            return None
+        for d in range(len(shape)):
+            split = EvenSplit.of(d, world)
+            if split.part(shape, rank) == spec:
+                return split
+        return None
+
+    @staticmethod
+    def of(dim: int, parts: int) -> "EvenSplit":
+        """``EvenSplit(dim, parts)``, one object per value (planners compare them by identity first)."""
+        split = _SPLITS.get((dim, parts))
+        if split is None:
+            split = _SPLITS[(dim, parts)] = EvenSplit(dim, parts)
+        return split
+
+
+_SPLITS: dict[tuple[int, int], EvenSplit] = {}
+
+
+class SplitIndex:
+    """:class:`ChunkIndex` for a tensor stored as the parts of an :class:`EvenSplit`: the parts a
+    box overlaps by arithmetic, O(parts found); results name parts by their number."""
+
+    def __init__(self, global_shape: Sequence[int], split: EvenSplit):
+        self.shape, self.split = tuple(global_shape), split
+
+    def overlapping(self, box: Box) -> list[tuple[int, "Piece", Box]]:
+        d = self.split.dim
+        out = []
+        for k in self.split.parts_between(self.shape, box.offsets[d], box.offsets[d] + box.lengths[d]):
+            part = self.split.part(self.shape, k)
+            inter = intersect(box, part) if part is not None else None
+            if inter is not None:
+                out.append((k, Piece(part, 0), inter))
+        return out
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
-"""What a checkpoint directory holds, by name (format version 1)::
+"""What a checkpoint directory holds, by name (format versions 1 and 2)::
 
     <checkpoint>/
       metadata.json          the index, written last: its presence is the commit
       data/<rank>_<n>.bin    tensor bytes: rank <rank>'s n-th data file (chunks packed back to back)
+      index/<rank>.idx       format v2: where rank <rank>'s parts of split tensors are, their checksums
+                             (:mod:`unickpt.format.index`)
       objects/rank_<r>.json  rank r's per-rank state (tagged JSON)
       .unickpt-writer        who is saving into it (host, pid, time): written first, left after the
                              commit (:mod:`unickpt.lifecycle.directory`)
@@ -13,18 +15,20 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["METADATA_FILE", "DATA_DIR", "OBJECTS_DIR", "WRITER_FILE", "data_file", "objects_file",
+__all__ = ["METADATA_FILE", "DATA_DIR", "OBJECTS_DIR", "INDEX_DIR", "WRITER_FILE", "data_file", "objects_file", "index_file",
            "is_own_entry", "is_partial_entry", "is_own_file", "SUBDIRS"]
 
 METADATA_FILE = "metadata.json"
 DATA_DIR = "data"
 OBJECTS_DIR = "objects"
+INDEX_DIR = "index"
 WRITER_FILE = ".unickpt-writer"
 
-_FILES = {DATA_DIR: re.compile(r"^\d+_\d+\.bin$"), OBJECTS_DIR: re.compile(r"^rank_\d+\.json$")}
+_FILES = {DATA_DIR: re.compile(r"^\d+_\d+\.bin$"), OBJECTS_DIR: re.compile(r"^rank_\d+\.json$"),
+          INDEX_DIR: re.compile(r"^\d+\.idx$")}
 _TMP = r"metadata\.json\.tmp-[0-9a-f]+"
-_PARTIAL = re.compile(rf"^({DATA_DIR}|{OBJECTS_DIR}|{_TMP}|{re.escape(WRITER_FILE)})$")
-_OWN = re.compile(rf"^({DATA_DIR}|{OBJECTS_DIR}|metadata\.json|{_TMP}|{re.escape(WRITER_FILE)})$")
+_PARTIAL = re.compile(rf"^({DATA_DIR}|{OBJECTS_DIR}|{INDEX_DIR}|{_TMP}|{re.escape(WRITER_FILE)})$")
+_OWN = re.compile(rf"^({DATA_DIR}|{OBJECTS_DIR}|{INDEX_DIR}|metadata\.json|{_TMP}|{re.escape(WRITER_FILE)})$")
 
 
 def data_file(rank: int, n: int) -> str:
@@ -35,6 +39,11 @@ def data_file(rank: int, n: int) -> str:
 def objects_file(rank: int) -> str:
     """The relative path of rank ``rank``'s per-rank state."""
     return f"{OBJECTS_DIR}/rank_{rank}.json"
+
+
+def index_file(rank: int) -> str:
+    """The relative path of rank ``rank``'s index file (format v2)."""
+    return f"{INDEX_DIR}/{rank}.idx"
 
 
 def is_own_entry(name: str) -> bool:
@@ -48,7 +57,7 @@ def is_partial_entry(name: str) -> bool:
 
 
 def is_own_file(subdir: str, name: str) -> bool:
-    """Whether a save writes a file ``name`` inside ``subdir`` (``data`` or ``objects``)."""
+    """Whether a save writes a file ``name`` inside ``subdir`` (``data``, ``objects`` or ``index``)."""
     pattern = _FILES.get(subdir)
     return bool(pattern and pattern.match(name))
 

@@ -16,27 +16,48 @@ Format version 1 (docs/format.md; the directory around it: :mod:`unickpt.format.
      "per_rank": {"world_size": 4, "fqns": [...], "files": ["objects/rank_0.json", ...]},
      "extra": {}}
 
+Format version 2 adds *split* tensors, written when a save has any (an FSDP2 / ``Shard(dim)``
+layout over the whole group: :class:`~unickpt.geometry.EvenSplit`): one line per tensor instead of
+one chunk per rank, their parts' files, offsets and checksums in per-writer index files
+(:mod:`unickpt.format.index`), so ``metadata.json`` grows with the tensors, not ranks x tensors::
+
+     "tensors": {fqn: {"dtype": "float32", "shape": [53248, 16384],
+                       "split": {"dim": 0, "parts": 2048, "slot": 17}}},   # or "chunks" as in v1
+     "index": {"writers": 2048, "slots": 3411, "block_bytes": 1048576, "max_blocks": 32}
+     # optional "prefix": the directory (relative) holding these data/ and index/ files
+
+Part ``k`` of a split tensor is written by rank ``k``; its record is slot ``slot`` of
+``index/<k>.idx``; a part of more than ``block_bytes`` bytes has checksum blocks of
+:func:`~unickpt.format.integrity.block_size` bytes (``block_bytes`` doubled until at most
+``max_blocks``), so a load knows which blocks it needs before it reads any record.
+
 Chunk bytes are raw row-major data of the chunk's elements (a flat chunk: its range of the
 flattened tensor) in the tensor's dtype, native little-endian. No pickle anywhere.
 """
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .._util import gc_paused
 from ..errors import CheckpointNotFoundError, FormatVersionError, IntegrityError
-from ..geometry import Box, ChunkSpec, check_exact_cover, spec_from_json, spec_to_json
+from ..geometry import Box, ChunkSpec, EvenSplit, check_exact_cover, spec_from_json, spec_to_json
 from .dtypes import str_to_dtype
+from .index import IndexReader
+from .integrity import CHECKSUM_BLOCK_BYTES, MAX_BLOCKS_PER_CHUNK
 from .layout import METADATA_FILE
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "ChunkMeta", "TensorMeta", "CheckpointMetadata", "read_metadata",
-           "spec_order"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "VERSIONS", "ChunkMeta", "TensorMeta", "CheckpointMetadata",
+           "read_metadata", "spec_order", "split_block_bytes"]
 
 FORMAT_NAME = "unickpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest version this unickpt writes (only when a save has split tensors; otherwise 1)."""
+VERSIONS = (1, 2)
+"""The versions it reads."""
 
 
 def _check_relpath(rel: Any, source: str) -> str:
@@ -77,15 +98,55 @@ class ChunkMeta:
         return cls(spec_from_json(d), d["file"], int(d["byte_offset"]), length, d["checksum"], blocks, block_bytes)
 
 
+def split_block_bytes(nbytes: int, min_bytes: int = CHECKSUM_BLOCK_BYTES, max_blocks: int = MAX_BLOCKS_PER_CHUNK) -> int:
+    """The checksum block size of a split tensor's part of ``nbytes`` under a v2 ``index`` policy:
+    0 (one checksum) up to ``min_bytes``, else ``min_bytes`` doubled until at most ``max_blocks``."""
+    if nbytes <= min_bytes:
+        return 0
+    b = min_bytes
+    while -(-nbytes // b) > max_blocks:
+        b *= 2
+    return b
+
+
 @dataclass(frozen=True)
 class TensorMeta:
+    """A stored tensor: ``dtype``, global ``shape``, and either its ``explicit`` chunks (each with
+    file, offset and checksums), or (format v2) an even ``split`` whose part ``k`` rank ``k`` wrote,
+    with its record at ``slot`` of that rank's index file. :attr:`chunks` lists the chunks either way
+    (for a split tensor it reads the index files, through the ``resolver`` that
+    :func:`read_metadata` attaches); :meth:`specs` gives the geometry without any read."""
+
     dtype: str
     shape: tuple[int, ...]
-    chunks: tuple[ChunkMeta, ...]
+    explicit: tuple[ChunkMeta, ...] = ()
+    split: EvenSplit | None = None
+    slot: int = -1
+    resolver: Callable[["TensorMeta"], tuple[ChunkMeta, ...]] | None = field(default=None, compare=False,
+                                                                                 repr=False)
+
+    @property
+    def chunks(self) -> tuple[ChunkMeta, ...]:
+        """Every stored (non-empty) chunk with its file, offset and checksums. Raises IntegrityError
+        for a split tensor whose metadata was parsed without the checkpoint's storage (no resolver)."""
+        if self.split is None:
+            return self.explicit
+        if self.resolver is None:
+            raise IntegrityError("a split tensor's parts are listed in the checkpoint's index files: read the "
+                                 "metadata with read_metadata(storage, path) to list its chunks")
+        return self.resolver(self)
+
+    def specs(self) -> list[ChunkSpec]:
+        """The stored chunks' geometry (boxes or flat ranges), without reading anything."""
+        if self.split is None:
+            return [c.spec for c in self.explicit]
+        return [self.split.part(self.shape, k) for k in range(self.split.nonempty(self.shape))]  # type: ignore[misc]
 
     @property
     def nbytes(self) -> int:
-        return sum(c.byte_length for c in self.chunks)
+        if self.split is not None:
+            return math.prod(self.shape) * str_to_dtype(self.dtype).itemsize
+        return sum(c.byte_length for c in self.explicit)
 
 
 @dataclass
@@ -102,26 +163,28 @@ class CheckpointMetadata:
     run_id: str | None = None
     created_unix_s: float = field(default_factory=time.time)
     extra: dict = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    format_version: int = 1
+    index: dict = field(default_factory=dict)  # v2: {"writers", "slots", "block_bytes", "max_blocks"}
 
     def to_json(self) -> str:
+        """The ``metadata.json`` text (compact). Version 2 when a tensor is split, else version 1."""
+        split = any(t.split is not None for t in self.tensors.values())
         doc = {
             "format": FORMAT_NAME,
-            "format_version": self.format_version,
+            "format_version": 2 if split else 1,
             "step": self.step,
             "framework": self.framework,
             "run_id": self.run_id,
             "created_unix_s": self.created_unix_s,
             "layout": self.layout,
-            "tensors": {
-                fqn: {"dtype": t.dtype, "shape": list(t.shape), "chunks": [c.to_json() for c in t.chunks]}
-                for fqn, t in self.tensors.items()
-            },
+            "tensors": {fqn: _tensor_json(t) for fqn, t in self.tensors.items()},
             "aliases": self.aliases,
             "state_tree": self.state_tree,
             "per_rank": self.per_rank,
             "extra": self.extra,
         }
+        if split:
+            doc["index"] = self.index
         return json.dumps(doc, separators=(",", ":"))
 
     @classmethod
@@ -145,10 +208,10 @@ class CheckpointMetadata:
                            else ""))
             raise FormatVersionError(f"{source}: format is {got!r}, expected {FORMAT_NAME!r}{hint}")
         version = doc.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in VERSIONS:
             raise FormatVersionError(
                 f"{source}: format_version {version!r} is not supported by this unickpt "
-                f"(it reads version {FORMAT_VERSION}); upgrade unickpt to load it"
+                f"(it reads versions {', '.join(map(str, VERSIONS))}); upgrade unickpt to load it"
             )
         try:
             return cls._from_doc(doc, version, source)
@@ -158,9 +221,24 @@ class CheckpointMetadata:
     @classmethod
     def _from_doc(cls, doc: dict, version: int, source: str) -> "CheckpointMetadata":
         tensors = {}
+        index = doc.get("index", {}) if version >= 2 else {}
+        if index:
+            writers, slots = int(index["writers"]), int(index["slots"])
+            if writers < 1 or slots < 1 or int(index["block_bytes"]) <= 0 or int(index["max_blocks"]) < 1:
+                raise ValueError(f"index {index} is not valid")
+            if index.get("prefix"):
+                _check_relpath(index["prefix"], source)
         for fqn, t in doc["tensors"].items():
             shape = tuple(int(n) for n in t["shape"])
             itemsize = str_to_dtype(t["dtype"]).itemsize
+            if "split" in t:
+                sp = t["split"]
+                split, slot = EvenSplit(int(sp["dim"]), int(sp["parts"])), int(sp["slot"])
+                if not index or not 0 <= split.dim < len(shape) or not 2 <= split.parts <= writers \
+                        or not 0 <= slot < slots or 0 in shape:
+                    raise ValueError(f"{fqn!r}: split {sp} does not fit shape {list(shape)} and index {index}")
+                tensors[fqn] = TensorMeta(t["dtype"], shape, split=split, slot=slot)
+                continue
             chunks = tuple(ChunkMeta.from_json(c) for c in t["chunks"])
             for c in chunks:
                 _check_relpath(c.file, source)
@@ -186,7 +264,45 @@ class CheckpointMetadata:
             created_unix_s=doc.get("created_unix_s", 0.0),
             extra=doc.get("extra", {}),
             format_version=version,
+            index=index,
         )
+
+    def attach(self, storage: Any, path: str, *, whole_files: bool = True) -> "CheckpointMetadata":
+        """Let split tensors list their chunks (:attr:`TensorMeta.chunks`) by reading the index files of
+        the checkpoint at ``path`` (each read whole once: the tools' access pattern). Returns self."""
+        reader = IndexReader(storage, path, whole_files=whole_files, prefix=self.index.get("prefix", ""))
+
+        def resolve(t: TensorMeta) -> tuple[ChunkMeta, ...]:
+            return tuple(split_chunk(t, k, reader.records(k, [t.slot])[t.slot], self.index)
+                         for k in range(t.split.nonempty(t.shape)))  # type: ignore[union-attr]
+
+        for fqn, t in self.tensors.items():
+            if t.split is not None:
+                self.tensors[fqn] = TensorMeta(t.dtype, t.shape, split=t.split, slot=t.slot, resolver=resolve)
+        return self
+
+
+def split_chunk(t: TensorMeta, k: int, record: Any, index: dict) -> ChunkMeta:
+    """Part ``k`` of split tensor ``t`` as a :class:`ChunkMeta`, from its index record (an
+    :class:`~unickpt.format.index.IndexRecord`). Raises IntegrityError when the record does not
+    describe the part: another length, or another checksum block size than ``index`` implies."""
+    assert t.split is not None
+    spec = t.split.part(t.shape, k)
+    want = 0 if spec is None else spec.numel * str_to_dtype(t.dtype).itemsize
+    blocks = split_block_bytes(want, int(index["block_bytes"]), int(index["max_blocks"]))
+    if spec is None or record.byte_length != want or record.block_bytes != blocks:
+        raise IntegrityError(f"index/{k}.idx slot {t.slot}: part {k} of {list(t.shape)} {t.dtype} has "
+                             f"{record.byte_length} bytes in checksum blocks of {record.block_bytes}, expected "
+                             f"{want} in blocks of {blocks} (the index file is corrupt)")
+    return ChunkMeta(spec, record.file(k, index.get("prefix", "")), record.byte_offset, record.byte_length,
+                     record.checksum, record.block_checksums, record.block_bytes)
+
+
+def _tensor_json(t: TensorMeta) -> dict:
+    if t.split is not None:
+        return {"dtype": t.dtype, "shape": list(t.shape),
+                "split": {"dim": t.split.dim, "parts": t.split.parts, "slot": t.slot}}
+    return {"dtype": t.dtype, "shape": list(t.shape), "chunks": [c.to_json() for c in t.explicit]}
 
 
 def spec_order(spec: ChunkSpec) -> tuple:
@@ -195,7 +311,9 @@ def spec_order(spec: ChunkSpec) -> tuple:
 
 
 def read_metadata(storage: Any, path: str) -> CheckpointMetadata:
-    """Read ``<path>/metadata.json``. Raises CheckpointNotFoundError when it is absent (uncommitted)."""
+    """Read ``<path>/metadata.json`` (version 1 or 2; split tensors list their chunks by reading the
+    index files on demand, :meth:`CheckpointMetadata.attach`). Raises CheckpointNotFoundError when it
+    is absent (uncommitted), FormatVersionError, IntegrityError (malformed)."""
     meta_path = storage.join(path, METADATA_FILE)
     try:
         text = storage.read_bytes(meta_path)
@@ -204,4 +322,4 @@ def read_metadata(storage: Any, path: str) -> CheckpointMetadata:
             f"no committed checkpoint at {path!r}: {METADATA_FILE} is missing "
             "(the save never finished, or the path is wrong)"
         ) from None
-    return CheckpointMetadata.from_json(text, source=meta_path)
+    return CheckpointMetadata.from_json(text, source=meta_path).attach(storage, path)

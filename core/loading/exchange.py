@@ -1,8 +1,12 @@
 """The reads of a load, round by round within the read-buffer budget, and their redistribution.
 
 Who does what (every rank of the load's group, on the caller's thread plus a pool of read threads):
-per round, each rank posts the receives of the segments others read for it (point-to-point on the
-private *plan* gloo group, tag = segment id), reads the segments the read plan gives it (ranged reads,
+each rank runs the segments it reads or needs (its part of the read plan), in chunk order, in rounds
+of at most ``read_buffer_bytes`` of chunks; rounds differ between ranks, and cannot deadlock: a rank
+waits only on ranks whose rounds end at a lower chunk id. Per round, it posts the receives of the
+segments others read for it (point-to-point on the private *plan* gloo group; the tag of a transfer
+is its ordinal among the transfers between the two ranks, which both sides number alike),
+reads the segments the read plan gives it (ranged reads,
 touching segments of one chunk coalesced into one request, ``read_threads`` in flight), verifies them,
 sends each to the other ranks that need it, then copies everything into the caller's tensors (or has
 read it straight into them). A failed read does not stop the rank from serving its peers; the
@@ -29,13 +33,33 @@ from .targets import ChunkTable, TargetReads
 __all__ = ["read_and_exchange"]
 
 
+def _tags(me: int, segments: list[Segment]) -> dict[tuple[int, int], int]:
+    """``(segment index, peer) -> tag`` of every transfer of ``segments`` (this rank's, in chunk
+    order): the ordinal of the transfer among those between this rank and the peer in that direction.
+    The peer lists the same transfers in the same order, so both sides agree without a global id."""
+    sent: dict[int, int] = {}
+    got: dict[int, int] = {}
+    tags = {}
+    for i, seg in enumerate(segments):
+        if seg.reader == me:
+            for dst in seg.needers:
+                if dst != me:
+                    tags[(i, dst)] = sent[dst] = sent.get(dst, -1) + 1
+        else:
+            tags[(i, seg.reader)] = got[seg.reader] = got.get(seg.reader, -1) + 1
+    return tags
+
+
 def read_and_exchange(comm: Comm, storage: Any, path: str, table: ChunkTable, need: TargetReads,
                        segments: list[Segment], options: LoadOptions, stats: LoadStats) -> dict[str, int]:
-    """Run the read plan round by round; returns elements copied per fqn."""
+    """Run this rank's segments (each read by this rank or needed by it, sorted by chunk id and
+    start) round by round; returns elements copied per fqn."""
     me = comm.rank
     filled: dict[str, int] = {}
     budget, verify = options.read_buffer_bytes, options.verify
-    sizes = {cid: table.chunks[cid][0].byte_length for cid in {s.chunk_id for s in segments}}
+    sizes = {cid: table.byte_length(cid) for cid in {s.chunk_id for s in segments}}
+    tags = _tags(me, segments)
+    index_of = {id(s): i for i, s in enumerate(segments)}
     threads = options.read_threads
     error: BaseException | None = None
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="unickpt-read") as pool:
@@ -58,17 +82,18 @@ def read_and_exchange(comm: Comm, storage: Any, path: str, table: ChunkTable, ne
             works = []
             for seg in round_segments:
                 if seg.reader != me and me in seg.needers:
-                    works.append(dist.irecv(view(seg), src=comm.ranks[seg.reader], group=comm.plan_group, tag=seg.seg_id))
+                    works.append(dist.irecv(view(seg), src=comm.ranks[seg.reader], group=comm.plan_group,
+                                            tag=tags[(index_of[id(seg)], seg.reader)]))
                     stats.bytes_received += seg.length
 
             def read(job: list[Segment]) -> tuple[int, int]:
                 """Worker thread: one ranged read of touching segments; (bytes read, blocks verified)."""
-                chunk, _ = table.chunks[job[0].chunk_id]
+                chunk = table.chunk(job[0].chunk_id)
                 buf, lo = buffers[job[0].chunk_id]
                 span = [(job[0].start, job[-1].start + job[-1].length - job[0].start)]
                 file = storage.join(path, chunk.file)
                 nbytes = read_ranges(storage, file, chunk, span, buf, lo)
-                label = f"{file} ({table.fqns[job[0].chunk_id]!r})"  # a checksum error names the key too
+                label = f"{file} ({table.locate(job[0].chunk_id)[0]!r})"  # a checksum error names the key too
                 return nbytes, (verify_ranges(buf, lo, span, chunk, label) if verify else 0)
 
             mine = {pool.submit(read, job): job for job in _coalesce([s for s in round_segments if s.reader == me])}
@@ -83,7 +108,7 @@ def read_and_exchange(comm: Comm, storage: Any, path: str, table: ChunkTable, ne
                     for dst in seg.needers:
                         if dst != me:
                             works.append(dist.isend(view(seg), dst=comm.ranks[dst], group=comm.plan_group,
-                                                    tag=seg.seg_id))
+                                                    tag=tags[(index_of[id(seg)], dst)]))
                             stats.bytes_sent += seg.length
             for w in works:
                 w.wait()
@@ -95,7 +120,7 @@ def read_and_exchange(comm: Comm, storage: Any, path: str, table: ChunkTable, ne
                     o = need.overlaps[cid][0]
                     filled[o.fqn] = filled.get(o.fqn, 0) + o.inter.numel
                     continue
-                for fqn, n in _copy(buf, lo, need.overlaps.get(cid, []), table.chunks[cid][1]).items():
+                for fqn, n in _copy(buf, lo, need.overlaps.get(cid, []), table.dtype(cid)).items():
                     filled[fqn] = filled.get(fqn, 0) + n
             stats.copy_s += time.perf_counter() - t_copy
     if comm.world_size > 1 or error is not None:

@@ -6,7 +6,10 @@ mismatch leaves the state untouched; work out the byte ranges this rank's target
 (:mod:`.targets`); gather a signature of those needs with any rank's failure (**1 collective**:
 ``all_gather_object``, 2 gloo ops; a failure is raised on every rank, :mod:`unickpt.dist.failures`);
 on a plan-cache miss gather the distinct needs as compact JSON (**2 collectives**) and build the
-zero-redundancy read plan (:mod:`unickpt.plan.read_plan`); run the reads and their redistribution
+zero-redundancy read plan (:mod:`unickpt.plan.read_plan`): a target that is its rank's part of an
+even split of the group (FSDP2) sends only that rule, and the chunks it reads are planned by the
+ranks needing them (:func:`~unickpt.loading.targets.split_needs`), so what travels and what is
+planned grows with the distinct needs, not ranks x tensors; run the reads and their redistribution
 round by round (:mod:`.exchange`; point-to-point, then **1 collective** for the outcome); finally
 replace plain values, restore per-rank state and call ``load_state_dict``.
 
@@ -14,6 +17,7 @@ A ``torch.distributed.checkpoint`` directory is migrated instead (:mod:`.dcp`, o
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -26,11 +30,11 @@ import torch
 from ..dist import failures
 from ..dist.comm import Comm
 from ..errors import IntegrityError, PerRankReshardError, StateMismatchError
-from ..format.dtypes import str_to_dtype
+from ..geometry import EvenSplit
 from ..format.metadata import CheckpointMetadata, read_metadata
 from ..options import LoadOptions, check_options
 from ..plan.cache import PlanCache
-from ..plan.read_plan import Segment, make_read_plan
+from ..plan.read_plan import Segment, chunk_segments, make_read_plan, segments_of
 from ..state import codec
 from ..state.flat import flatten, saved_leaves
 from ..storage import open_storage
@@ -38,9 +42,9 @@ from . import convert, dcp
 from .checks import check_keys, check_memory, check_target, take_saved_empty_optimizer_states
 from .exchange import read_and_exchange
 from .stats import LoadStats
-from .targets import ChunkTable, TargetReads
+from .targets import ChunkTable, TargetReads, split_needs
 
-__all__ = ["Loader", "PLAN_CACHE_SIZE"]
+__all__ = ["Loader", "PLAN_CACHE_SIZE", "needs_doc", "plan_reads"]
 
 log = logging.getLogger("unickpt")
 
@@ -97,7 +101,7 @@ class Loader:
             meta = read_metadata(storage, path)
             flat = flatten(state, for_load=True)
             table = ChunkTable(meta)
-            need = TargetReads()
+            need = TargetReads(comm.rank, comm.world_size)
             if mapping is not None:
                 objects, per_rank, values = self._mapped_needs(meta, flat, mapping, strict, path, table, need, opts,
                                                                stats)
@@ -105,7 +109,12 @@ class Loader:
                 objects, per_rank = self._needs(comm, storage, path, meta, flat, strict, allow_pickle, table, need,
                                                 opts)
                 values = {}
-            signature = _needs_signature(need, table)
+            # format v2: the index records of the split parts this rank needs (it reads only parts it
+            # needs), before the agreement so that a damaged index fails every rank alike
+            before = storage.bytes_read
+            table.resolve(storage, path, need.ranges)
+            stats.index_bytes_read = storage.bytes_read - before
+            signature = _needs_signature(need, table, opts.verify)
         except Exception as e:  # every rank must still join the gather, or the others hang
             local_error = e
         gathered = failures.agree(comm, path, local_error, (signature, socket.gethostname(), opts.redistribute), tag)
@@ -116,7 +125,7 @@ class Loader:
                              "LoadOptions(redistribute=...) on every rank")
         stats.redistributed = _should_redistribute(opts.redistribute, storage, {g[1] for g in gathered})
         if stats.redistributed:
-            segments = self._read_plan(need, [g[0] for g in gathered], stats)
+            segments = self._read_plan(need, table, [g[0] for g in gathered], opts.verify, stats)
         else:  # every rank reads its own needs; segments keep the same shape, with only this rank in them
             segments = [Segment(i, cid, s, n, comm.rank, (comm.rank,))
                         for i, (cid, s, n) in enumerate((cid, s, n) for cid, rs in sorted(need.ranges.items())
@@ -173,7 +182,7 @@ class Loader:
                 source = meta.aliases.get(fqn, fqn)
                 tmeta = meta.tensors[source]
                 check_target(leaf, tmeta)
-                need.add(leaf, tmeta.shape, table.by_fqn[source], str_to_dtype(tmeta.dtype).itemsize, opts.verify)
+                need.add(leaf, table, source, opts.verify)
         objects = {}
         for fqn, (container, key) in flat.objects.items():
             if fqn in saved_objects:
@@ -197,8 +206,7 @@ class Loader:
         for fqn, pieces in view.tensors.items():
             leaf = flat.tensors[fqn]
             check_memory(leaf)
-            parts = [(p.region, meta.tensors[p.source].shape, table.by_fqn[p.source], p.offsets) for p in pieces]
-            need.add_pieces(leaf, parts, str_to_dtype(meta.tensors[pieces[0].source].dtype).itemsize, opts.verify)
+            need.add_pieces(leaf, [(p.region, p.source, p.offsets) for p in pieces], table, opts.verify)
         objects = {}
         for fqn, value in view.objects.items():
             container, key = flat.objects[fqn]
@@ -210,25 +218,108 @@ class Loader:
         stats.conversion_values = view.source_plain
         return objects, {}, view.values
 
-    def _read_plan(self, need: TargetReads, signatures: list[str], stats: LoadStats) -> list[Segment]:
-        """The job-wide read plan: from the cache when every rank's needs signature matches a past load
-        (caches are filled identically on every rank, so all hit or miss together), else gathered."""
+    def _read_plan(self, need: TargetReads, table: ChunkTable, signatures: list[str], verify: bool,
+                   stats: LoadStats) -> list[Segment]:
+        """This rank's part of the job-wide read plan (the segments it reads or needs, by chunk id):
+        from the cache when every rank's needs signature matches a past load (caches are filled
+        identically on every rank, so all hit or miss together), else gathered and planned."""
         key = tuple(signatures)
         cached = self.plans.get(key)
         if cached is not None:
             stats.plan_cache_hit = True
             return cached
-        # ranks whose needs signature repeats an earlier rank's (replicas) send nothing; the others send
-        # their needs as compact JSON (no pickle), so what travels grows with the distinct needs
+        # ranks whose needs signature repeats an earlier rank's (replicas, or an FSDP2 layout over the
+        # group) send nothing; the others send their listed needs and their split rules as compact JSON
+        # (no pickle), so what travels grows with the distinct needs
+        me = self.comm.rank
         first_of: dict[str, int] = {}
         firsts = [first_of.setdefault(k, r) for r, k in enumerate(key)]
-        mine = json.dumps(list(need.ranges.items())).encode() if firsts[self.comm.rank] == self.comm.rank else b""
+        mine = needs_doc(need, table, verify) if firsts[me] == me else b""
         blobs = self.comm.all_gather_bytes(mine, self.comm.plan_group)
-        distinct = {r: {int(cid): [(int(s), int(n)) for s, n in rs] for cid, rs in json.loads(blobs[r])}
-                    for r in set(firsts)}
-        plan = make_read_plan([distinct[f] for f in firsts])
+        plan = plan_reads(me, table, firsts, {r: json.loads(blobs[r]) for r in set(firsts)}, need.ranges)
         self.plans.put(key, plan)
         return plan
+
+
+def needs_doc(need: TargetReads, table: ChunkTable, verify: bool) -> bytes:
+    """What a rank sends to the read plan: its listed needs ``{"n": [[chunk id, ranges]]}``, its
+    split targets ``{"s": {stored fqn: [dim, parts]}}`` (their needs are implied) and whether its
+    ranges are widened to checksum blocks (``"v"``), as compact JSON."""
+    listed = [(cid, rs) for cid, rs in need.ranges.items() if table.locate(cid)[0] not in need.splits]
+    return json.dumps({"n": listed, "s": {f: [sp.dim, sp.parts] for f, sp in need.splits.items()}, "v": verify},
+                      separators=(",", ":")).encode()
+
+
+def plan_reads(me: int, table: ChunkTable, firsts: list[int], docs: dict[int, dict], my_ranges: dict) -> list[Segment]:
+    """Rank ``me``'s part of the zero-redundancy read plan (the segments it reads or needs, sorted by
+    chunk id and start), from every rank's needs: rank ``r``'s are ``docs[firsts[r]]`` (a
+    :func:`needs_doc`; ranks sharing a doc are planned as one group). A split every rank with a
+    non-empty part declared (:func:`_agreed_splits`) is planned chunk by chunk for the chunks ``me``
+    needs (``my_ranges``), O(its chunks x their needers); a split only some ranks declared is listed
+    for them (O(ranks) for that tensor). Deterministic: every rank derives consistent parts of one
+    plan. Costs O(listed needs of the distinct docs + this rank's chunks of split targets)."""
+    splits = _agreed_splits(table, docs, firsts)
+    decoded = {f: {int(cid): list(map(tuple, rs)) for cid, rs in doc["n"]} for f, doc in docs.items()}
+    per_rank: list[dict] = []
+    for r, f in enumerate(firsts):  # listed needs, plus the needs of splits not every rank declared
+        extra = [(fqn, sp) for fqn, sp in docs[f]["s"].items() if fqn not in splits]
+        if not extra:
+            per_rank.append(decoded[f])  # ranks sharing a doc share one dict: planned as one group
+            continue
+        own = dict(decoded[f])
+        for fqn, (dim, parts) in extra:
+            split = EvenSplit(int(dim), int(parts))
+            for k in _chunks_of(table, fqn, split, r):
+                cid = table.base[fqn] + k
+                own[cid] = split_needs(table, fqn, cid, split, docs[f]["v"], only=r)[r]
+        per_rank.append(own)
+    plan = segments_of(me, make_read_plan(per_rank))
+    if splits:
+        verify = docs[firsts[me]]["v"]  # the same on every rank (or nothing is agreed)
+        for cid in sorted(my_ranges):  # the chunks of split targets this rank needs, planned chunk by chunk
+            fqn = table.locate(cid)[0]
+            split = splits.get(fqn)
+            if split is not None:
+                plan += segments_of(me, chunk_segments(cid, split_needs(table, fqn, cid, split, verify)))
+        plan.sort(key=lambda s: (s.chunk_id, s.start))
+    return plan
+
+
+def _agreed_splits(table: ChunkTable, docs: dict[int, dict], firsts: list[int]) -> dict[str, EvenSplit]:
+    """The stored fqns whose targets are their ranks' parts of one split of the group: every rank
+    whose part is not empty declared it (the others need nothing of it) and no rank lists needs of
+    it. Costs O(docs x their entries)."""
+    members: dict[int, list[int]] = {}
+    for r, f in enumerate(firsts):
+        members.setdefault(f, []).append(r)
+    declared: dict[str, list[tuple[EvenSplit, int]]] = {}
+    listed: set[str] = set()
+    for f, doc in docs.items():
+        for fqn, (d, p) in doc["s"].items():
+            declared.setdefault(fqn, []).append((EvenSplit(int(d), int(p)), f))
+        listed.update(table.locate(int(cid))[0] for cid, _ in doc["n"])
+    out: dict[str, EvenSplit] = {}
+    if len({bool(doc["v"]) for doc in docs.values()}) > 1:  # ranks widen differently: list every need
+        return out
+    for fqn, decl in declared.items():
+        split = decl[0][0]
+        if fqn in listed or split.parts != len(firsts) or any(s != split for s, _ in decl):
+            continue
+        m = split.nonempty(table.meta.tensors[fqn].shape)
+        if sum(bisect.bisect_left(members[f], m) for _, f in decl) == m:
+            out[fqn] = split
+    return out
+
+
+def _chunk_count(table: ChunkTable, fqn: str) -> int:
+    t = table.meta.tensors[fqn]
+    return t.split.parts if t.split is not None else len(t.explicit)
+
+
+def _chunks_of(table: ChunkTable, fqn: str, split: EvenSplit, rank: int) -> list[int]:
+    """Numbers of ``fqn``'s stored chunks that part ``rank`` of ``split`` overlaps."""
+    box = split.part(table.meta.tensors[fqn].shape, rank)
+    return [] if box is None else sorted({k for k, _, _ in table.index(fqn).overlapping(box)})
 
 
 def _should_redistribute(requested: bool | None, storage: Any, hosts: set[str]) -> bool:
@@ -243,12 +334,15 @@ def _should_redistribute(requested: bool | None, storage: Any, hosts: set[str]) 
     return not storage.is_local or len(hosts) > 1
 
 
-def _needs_signature(need: TargetReads, table: ChunkTable) -> str:
-    """Digest of this rank's needs and the layout of the chunks involved (not their checksums), so
-    that later checkpoints of the same layout reuse the read plan."""
-    items = [(cid, table.chunks[cid][0].file, table.chunks[cid][0].byte_offset, table.chunks[cid][0].byte_length,
-              tuple(rs)) for cid, rs in sorted(need.ranges.items())]
-    return hashlib.blake2b(repr(items).encode(), digest_size=16).hexdigest()
+def _needs_signature(need: TargetReads, table: ChunkTable, verify: bool) -> str:
+    """Digest of this rank's needs and the chunks involved (ids and sizes, not their files or
+    checksums), so that later checkpoints of the same layout reuse the read plan. A target that is
+    its rank's part of a split counts as the rule alone: every rank of an FSDP2 load has one digest."""
+    items = [(cid, table.byte_length(cid), tuple(rs)) for cid, rs in sorted(need.ranges.items())
+             if table.locate(cid)[0] not in need.splits]
+    splits = [(f, _chunk_count(table, f), table.meta.tensors[f].split, s.dim, s.parts)
+              for f, s in sorted(need.splits.items())]
+    return hashlib.blake2b(repr((items, splits, verify)).encode(), digest_size=16).hexdigest()
 
 
 def _per_rank_states(comm: Comm, storage: Any, path: str, meta: CheckpointMetadata, targets: dict,

@@ -14,6 +14,7 @@ class LoadStats:
 
     bytes_read: int = 0  # tensor bytes read from storage by this rank
     storage_bytes_read: int = 0  # everything this rank read, as counted by the storage layer
+    index_bytes_read: int = 0  # format v2: records and block checksums of the split parts this rank reads
     reads: int = 0  # ranged read requests
     blocks_verified: int = 0  # small chunks, or blocks of large ones, checked against checksums
     bytes_received: int = 0  # over the process group, read by other ranks

@@ -9,6 +9,11 @@ segments with the same reader and the same needers. Readers send each segment to
 that need it (see :mod:`unickpt.loading`), so storage traffic for state that every rank needs falls
 from ``ranks x bytes`` to ``bytes`` (ByteCheckpoint, NSDI '25, section on load-time redistribution).
 Pure functions: deterministic, so every rank computes the same plan from the same gathered needs.
+
+Replicas (HSDP, data parallel) share one needs dict; they are planned as one group, so the plan
+costs O(distinct needs), not O(ranks x chunks). Chunks whose needs every rank can compute (a load
+into an even split of the group, :func:`unickpt.loading.targets.split_needs`) are planned chunk by
+chunk by the ranks that need them (:func:`chunk_segments`), with no job-wide list at all.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 from .._util import gc_paused
 from .balance import LeastLoaded
 
-__all__ = ["Segment", "make_read_plan", "batches"]
+__all__ = ["Segment", "make_read_plan", "chunk_segments", "segments_of", "batches"]
 
 Ranges = list[tuple[int, int]]  # (start, length) in bytes, relative to the chunk's first byte
 
@@ -36,52 +41,92 @@ class Segment:
 
 def make_read_plan(needs: list[dict[int, Ranges]]) -> list[Segment]:
     """Segments for all chunks, ordered by (chunk id, start). ``needs[rank][chunk_id]`` are sorted,
-    non-overlapping ranges (as :func:`unickpt.reader.merge_ranges` returns). Cost: O(n log n) in
-    the number of ranges plus, per cut position, the ranks needing it."""
+    non-overlapping ranges (as :func:`unickpt.loading.targets.merge_ranges` returns); ranks whose
+    needs are one dict object (replicas) are planned as one group, sharing one ``needers`` tuple.
+    Cost: O(n log n) in the ranges of the distinct dicts, plus, per cut position, the groups needing it."""
     with gc_paused():
         return _make_read_plan(needs)
 
 
+def _groups(needs: list[dict[int, Ranges]]) -> list[tuple[tuple[int, ...], dict[int, Ranges]]]:
+    members: dict[int, list[int]] = {}
+    first: dict[int, dict] = {}
+    for rank, d in enumerate(needs):
+        members.setdefault(id(d), []).append(rank)
+        first.setdefault(id(d), d)
+    return [(tuple(rs), first[k]) for k, rs in members.items()]
+
+
+def _pieces(cid: int, holders: dict[int, Ranges], ranks: dict[int, tuple[int, ...]], union: dict) -> list[tuple]:
+    """``(chunk id, start, length, needers)`` cutting chunk ``cid`` where the set of needers changes.
+    ``holders``: group -> its ranges; ``ranks``: group -> its ranks; ``union``: a cache of needer tuples."""
+    same: dict[tuple, list[int]] = {}
+    keys: dict[int, tuple] = {}  # groups with identical needs often share one list (see loading)
+    for g, rs in holders.items():
+        k = keys.get(id(rs))
+        if k is None:
+            k = keys[id(rs)] = tuple(rs)
+        same.setdefault(k, []).append(g)
+
+    def needers(gs: frozenset | tuple) -> tuple[int, ...]:
+        key = frozenset(gs)
+        got = union.get(key)
+        if got is None:
+            got = union[key] = ranks[next(iter(key))] if len(key) == 1 else tuple(sorted(r for g in key for r in ranks[g]))
+        return got
+
+    if len(same) == 1:  # one needer, or replicas needing the same ranges: no cuts between them
+        (rs, gs), = same.items()
+        who = needers(gs)
+        return [(cid, a, n, who) for a, n in rs if n > 0]
+    # sweep over the range boundaries, keeping the set of groups whose ranges cover the position:
+    # O(boundaries x needers per position), not O(boundaries x holders)
+    events: dict[int, list[tuple[int, int]]] = {}
+    for g, rs in holders.items():
+        for a, n in rs:
+            if n > 0:
+                events.setdefault(a, []).append((1, g))
+                events.setdefault(a + n, []).append((0, g))
+    cuts = sorted(events)
+    active: set[int] = set()
+    out = []
+    for a, b in zip(cuts, cuts[1:] + [None]):
+        for kind, g in sorted(events[a]):  # ends before starts at one position
+            if kind:
+                active.add(g)
+            else:
+                active.discard(g)
+        if active and b is not None:
+            out.append((cid, a, b - a, needers(active)))
+    return out
+
+
+def _merged(pieces: list[tuple], reader_of: list[int], first_id: int = 0) -> list[Segment]:
+    segments: list[Segment] = []
+    for i, (cid, start, length, who) in enumerate(pieces):
+        last = segments[-1] if segments else None
+        if (last is not None and last.chunk_id == cid and last.start + last.length == start
+                and last.reader == reader_of[i] and last.needers == who):
+            segments[-1] = Segment(last.seg_id, cid, last.start, last.length + length, last.reader, who)
+        else:
+            segments.append(Segment(first_id + len(segments), cid, start, length, reader_of[i], who))
+    return segments
+
+
 def _make_read_plan(needs: list[dict[int, Ranges]]) -> list[Segment]:
+    groups = _groups(needs)
+    ranks = {g: rs for g, (rs, _) in enumerate(groups)}
     by_chunk: dict[int, dict[int, Ranges]] = {}
-    for rank, rank_needs in enumerate(needs):
-        for cid, ranges in rank_needs.items():
+    for g, (_, group_needs) in enumerate(groups):
+        for cid, ranges in group_needs.items():
             if ranges:
-                by_chunk.setdefault(cid, {})[rank] = ranges
+                by_chunk.setdefault(cid, {})[g] = ranges
     pieces = []  # (chunk id, start, length, needers)
+    union: dict = {}
     for cid in sorted(by_chunk):
-        holders = by_chunk[cid]
-        same: dict[tuple, list[int]] = {}
-        keys: dict[int, tuple] = {}  # ranks with identical needs often share one list (see loading)
-        for r, rs in holders.items():
-            k = keys.get(id(rs))
-            if k is None:
-                k = keys[id(rs)] = tuple(rs)
-            same.setdefault(k, []).append(r)
-        if len(same) == 1:  # one needer, or replicas needing the same ranges: no cuts between them
-            (rs, who), = same.items()
-            pieces += [(cid, a, n, tuple(who)) for a, n in rs if n > 0]
-            continue
-        # sweep over the range boundaries, keeping the set of ranks whose ranges cover the position:
-        # O(boundaries x needers per position), not O(boundaries x holders)
-        events: dict[int, list[tuple[int, int]]] = {}
-        for r, rs in holders.items():
-            for a, n in rs:
-                if n > 0:
-                    events.setdefault(a, []).append((1, r))
-                    events.setdefault(a + n, []).append((0, r))
-        cuts = sorted(events)
-        active: set[int] = set()
-        for a, b in zip(cuts, cuts[1:] + [None]):
-            for kind, r in sorted(events[a]):  # ends before starts at one position
-                if kind:
-                    active.add(r)
-                else:
-                    active.discard(r)
-            if active and b is not None:
-                pieces.append((cid, a, b - a, tuple(sorted(active))))
+        pieces += _pieces(cid, by_chunk[cid], ranks, union)
     load: dict[int, int] = {}
-    reader_of: dict[int, int] = {}
+    reader_of = [0] * len(pieces)
     pickers: dict[tuple[int, ...], LeastLoaded] = {}
     # segments only one rank needs are that rank's to read: count them first, then balance the shared
     # ones, each to min(needers, key=(bytes so far, rank)) (a heap per needer set: O(log n), same choice)
@@ -98,15 +143,34 @@ def _make_read_plan(needs: list[dict[int, Ranges]]) -> list[Segment]:
             load[reader] = load.get(reader, 0) + pieces[i][2]
             picker.refresh(reader)
         reader_of[i] = reader
-    segments: list[Segment] = []
-    for i, (cid, start, length, who) in enumerate(pieces):
-        last = segments[-1] if segments else None
-        if (last is not None and last.chunk_id == cid and last.start + last.length == start
-                and last.reader == reader_of[i] and last.needers == who):
-            segments[-1] = Segment(last.seg_id, cid, last.start, last.length + length, last.reader, who)
-        else:
-            segments.append(Segment(len(segments), cid, start, length, reader_of[i], who))
-    return segments
+    return _merged(pieces, reader_of)
+
+
+def chunk_segments(cid: int, needs: dict[int, Ranges]) -> list[Segment]:
+    """The segments of one chunk from every needer's ranges (``needs[rank]``), planned by that chunk
+    alone: any rank that knows them gets the same segments. A segment one rank needs is its to read;
+    a shared one is read by its needers in turn (``needers[(cid + i) % n]`` for the ``i``-th piece), so
+    the bytes of boundary blocks spread without a job-wide balance. ``seg_id`` numbers the chunk's
+    segments from 0."""
+    pieces = _pieces(cid, needs, {r: (r,) for r in needs}, {})
+    return _merged(pieces, [who[0] if len(who) == 1 else who[(cid + i) % len(who)]
+                            for i, (_, _, _, who) in enumerate(pieces)])
+
+
+def segments_of(rank: int, segments: list[Segment]) -> list[Segment]:
+    """The segments ``rank`` reads or needs, in order (what its reads and transfers involve)."""
+    sets: dict[int, bool] = {}
+    out = []
+    for s in segments:
+        if s.reader == rank:
+            out.append(s)
+            continue
+        hit = sets.get(id(s.needers))
+        if hit is None:
+            hit = sets[id(s.needers)] = rank in s.needers
+        if hit:
+            out.append(s)
+    return out
 
 
 def batches(segments: list[Segment], chunk_bytes: dict[int, int], budget_bytes: int) -> list[list[Segment]]:

@@ -22,24 +22,28 @@ The engine caches it per layout.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
+import heapq
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .._util import gc_paused
 from ..dist.p2p import TAG_BITS
 from ..errors import StateMismatchError
 from ..format.dtypes import dtype_to_str, str_to_dtype
 from ..format.layout import data_file
-from ..geometry import Box, ChunkSpec, FlatRange, check_exact_cover
+from ..geometry import Box, ChunkSpec, EvenSplit, FlatRange, check_exact_cover
 from ..state.flat import FlatState
 from .balance import LeastLoaded
 from .merge import merge_ranges
 from .stream import GRANULE_BYTES, stream_layout
 
 __all__ = ["LocalPlan", "PlannedChunk", "GlobalPlan", "make_local_plan", "make_global_plan", "expand_plans", "decode_plans", "SPLIT_MIN_BYTES",
-           "LocalFill", "RecvFill", "SendOp", "WriteChunk", "SavePlan", "make_save_plan"]
+           "LocalFill", "RecvFill", "SendOp", "WriteChunk", "SavePlan", "make_save_plan", "split_bytes_per_rank"]
 
 SPLIT_MIN_BYTES = 1 << 20
 """A replicated box of at least this many bytes is split along dim 0 into one part per holder, so
@@ -80,7 +84,10 @@ def _split_replica(spec: ChunkSpec, nbytes: int, holders: int) -> list[tuple[int
 
 @dataclass
 class LocalPlan:
-    """What one rank holds: ``tensors[fqn] = (dtype, global shape, spec or None if empty)``."""
+    """What one rank holds: ``tensors[fqn] = (dtype, global shape, spec)``; spec is a box or flat
+    range, None if empty, or an :class:`~unickpt.geometry.EvenSplit` when the rank holds exactly its
+    part of that split of the group (rank ``r`` holds part ``r``): every rank of an FSDP2 layout over
+    the whole group then has the same plan, which is gathered and planned once."""
 
     rank: int
     tensors: dict[str, tuple[str, tuple[int, ...], ChunkSpec | None]] = field(default_factory=dict)
@@ -100,12 +107,15 @@ class LocalPlan:
 
     def to_bytes(self, with_table: bool = True) -> bytes:
         """Compact JSON encoding (no pickle), what the engine gathers: per tensor ``[fqn, dtype, shape,
-        spec]`` with spec ``null``, ``[offsets, lengths]`` (box) or ``[start, length, 0]`` (flat range:
-        three numbers, a box has two lists). ``with_table=False``: the specs only, in table order,
+        spec]`` with spec ``null``, ``[offsets, lengths]`` (box), ``[start, length, 0]`` (flat range:
+        three numbers, a box has two lists) or ``["s", dim, parts]`` (even split).
+        ``with_table=False``: the specs only, in table order,
         with the table's digest; :meth:`from_bytes` then needs a plan with that table."""
-        def spec(s: ChunkSpec | None) -> Any:
+        def spec(s: ChunkSpec | EvenSplit | None) -> Any:
             if s is None:
                 return None
+            if isinstance(s, EvenSplit):
+                return ["s", s.dim, s.parts]
             return [list(s.offsets), list(s.lengths)] if isinstance(s, Box) else [s.start, s.length, 0]
 
         doc: dict[str, Any] = {"r": self.rank, "a": self.aliases, "p": list(self.per_rank_fqns),
@@ -121,10 +131,12 @@ class LocalPlan:
         """Inverse of :meth:`to_bytes`; an encoding without its table takes the fqns, dtypes and shapes
         from ``table`` (a plan whose :meth:`table_digest` it names). Raises ValueError for malformed
         input or a missing or different table."""
-        def spec(s: Any) -> ChunkSpec | None:
+        def spec(s: Any) -> ChunkSpec | EvenSplit | None:
             if s is None:
                 return None
-            return Box(tuple(s[0]), tuple(s[1])) if len(s) == 2 else FlatRange(int(s[0]), int(s[1]))
+            if len(s) == 2:
+                return Box(tuple(s[0]), tuple(s[1]))
+            return EvenSplit.of(int(s[1]), int(s[2])) if s[0] == "s" else FlatRange(int(s[0]), int(s[1]))
 
         try:
             doc = json.loads(data)
@@ -157,33 +169,65 @@ class PlannedChunk:
     writer: int
 
 
+def split_bytes_per_rank(splits: dict[str, tuple[EvenSplit, tuple[int, ...], int]], world: int) -> list[int]:
+    """Bytes each rank writes of the split tensors ``{fqn: (split, shape, itemsize)}`` (rank ``k``
+    writes part ``k``), in O(tensors + world): every part but the last non-empty one has ``step`` rows."""
+    diff = [0] * (world + 1)
+    for split, shape, itemsize in splits.values():
+        m = split.nonempty(shape)
+        if not m:
+            continue
+        row = math.prod(shape) // shape[split.dim] * itemsize
+        step = split.step(shape)
+        diff[0] += step * row
+        diff[m - 1] -= step * row
+        diff[m - 1] += (shape[split.dim] - (m - 1) * step) * row
+        diff[m] -= (shape[split.dim] - (m - 1) * step) * row
+    out, acc = [], 0
+    for r in range(world):
+        acc += diff[r]
+        out.append(acc)
+    return out
+
+
 @dataclass
 class GlobalPlan:
+    """Who writes what: ``chunks`` (explicit, each with its writer) and ``splits`` (fqn -> the
+    :class:`~unickpt.geometry.EvenSplit` every rank declared: rank ``k`` writes part ``k``; never
+    enumerated), in sorted fqn order."""
+
     tensors: dict[str, tuple[str, tuple[int, ...]]]  # fqn -> (dtype, global shape)
     chunks: list[PlannedChunk]
     aliases: dict[str, str]
     replicas: list[tuple[str, ChunkSpec, tuple[int, ...]]] = field(default_factory=list)  # (fqn, spec, holders)
     # of every chunk held by several ranks, in the same order on every rank (unickpt.replicas checks them)
+    splits: dict[str, EvenSplit] = field(default_factory=dict)
 
     def writes_for(self, rank: int) -> list[PlannedChunk]:
+        """Rank ``rank``'s explicit chunks (its parts of ``splits`` are not listed)."""
         return [c for c in self.chunks if c.writer == rank]
 
     def bytes_per_rank(self, world_size: int) -> list[int]:
-        out = [0] * world_size
+        out = split_bytes_per_rank({f: (s, self.tensors[f][1], str_to_dtype(self.tensors[f][0]).itemsize)
+                                    for f, s in self.splits.items()}, world_size)
         for c in self.chunks:
             out[c.writer] += c.nbytes
         return out
 
 
-def make_local_plan(flat: FlatState, rank: int, guarded: frozenset | set = frozenset()) -> LocalPlan:
-    """This rank's holdings; ``guarded`` fqns (overlap snapshots) are placed last in its files."""
+def make_local_plan(flat: FlatState, rank: int, guarded: frozenset | set = frozenset(),
+                    world_size: int = 1) -> LocalPlan:
+    """This rank's holdings; ``guarded`` fqns (overlap snapshots) are placed last in its files. A
+    shard that is exactly this rank's part of an even split of the ``world_size`` ranks
+    (:meth:`EvenSplit.detect`: FSDP2, ``Shard(dim)`` over the group) is recorded as that split."""
     plan = LocalPlan(rank=rank, aliases=dict(flat.aliases), per_rank_fqns=tuple(sorted(flat.per_rank)),
                      guarded=tuple(sorted(guarded)))
     for fqn, leaf in flat.tensors.items():
         if fqn in flat.aliases:
             continue
         spec = leaf.spec if leaf.spec.numel > 0 else None
-        plan.tensors[fqn] = (dtype_to_str(leaf.dtype), leaf.global_shape, spec)
+        plan.tensors[fqn] = (dtype_to_str(leaf.dtype), leaf.global_shape,
+                             EvenSplit.detect(leaf.global_shape, spec, rank, world_size) or spec)
     return plan
 
 
@@ -235,7 +279,10 @@ def make_global_plan(plans: list[LocalPlan], *, partial: bool = False) -> Global
     :func:`expand_plans`, count once) plus O(log ranks) per written chunk; a replicated chunk of
     ``>= SPLIT_MIN_BYTES`` is split into at most ``min(holders, nbytes / (mean bytes per rank / 4))``
     parts (:data:`SPLIT_PARTS_PER_MEAN`), so the chunk count grows with the world size only where the
-    data needs it for balance.
+    data needs it for balance. A tensor that every rank with a non-empty part of the same
+    :class:`~unickpt.geometry.EvenSplit` (``parts`` = the world) declares as that split, and no rank
+    holds otherwise, stays one split, O(1) whatever the world; otherwise the declared parts are
+    enumerated like any box.
 
     Raises StateMismatchError when ranks disagree on a tensor's dtype or global shape, and
     ValueError when the shards of a tensor overlap without being identical or leave a gap.
@@ -243,10 +290,12 @@ def make_global_plan(plans: list[LocalPlan], *, partial: bool = False) -> Global
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     first_rank: dict[str, int] = {}
     holders: dict[tuple[str, ChunkSpec], list[tuple[int, ...]]] = {}
+    declared: dict[str, list[tuple[EvenSplit, tuple[int, ...]]]] = {}  # fqn -> (split, ranks declaring it)
     aliases: dict[str, str] = {}
     groups: dict[int, list[LocalPlan]] = {}  # ranks sharing one tensors dict: processed once
     for plan in sorted(plans, key=lambda p: p.rank):
         groups.setdefault(id(plan.tensors), []).append(plan)
+    world = max((p.rank for p in plans), default=0) + 1
     for members in sorted(groups.values(), key=lambda m: m[0].rank):
         plan = members[0]
         ranks = tuple(p.rank for p in members)
@@ -263,23 +312,45 @@ def make_global_plan(plans: list[LocalPlan], *, partial: bool = False) -> Global
                     f"{fqn!r}: rank {first_rank[fqn]} has dtype {want[0]} shape {list(want[1])}, "
                     f"rank {plan.rank} has dtype {dtype} shape {list(shape)}"
                 )
-            if spec is not None:
+            if isinstance(spec, EvenSplit):
+                declared.setdefault(fqn, []).append((spec, ranks))
+            elif spec is not None:
                 holders.setdefault((fqn, spec), []).append(ranks)
     for fqn in aliases:
         tensors.pop(fqn, None)
+    splits: dict[str, EvenSplit] = {}
+    boxed = {fqn for fqn, _ in holders}
+    for fqn, decl in declared.items():
+        if fqn in aliases:
+            continue
+        first, shape = decl[0][0], tensors[fqn][1]  # decoded and detected splits: one object per value
+        if first.parts == world and fqn not in boxed and all(s is first or s == first for s, _ in decl):
+            # a split when every rank whose part is not empty declared it (the others hold nothing)
+            m = first.nonempty(shape)
+            if sum(bisect.bisect_left(rs, m) for _, rs in decl) == m:
+                splits[fqn] = first
+                continue
+        for split, rs in decl:  # not every rank's part of one split: the declared parts are boxes
+            for r in rs:
+                holders.setdefault((fqn, split.part(shape, r)), []).append((r,))
+    splits = dict(sorted(splits.items()))
     unique = [(fqn, spec, sorted(r for rs in groups_ for r in rs) if len(groups_) > 1 else groups_[0])
               for (fqn, spec), groups_ in holders.items() if fqn not in aliases]
-    by_fqn: dict[str, list[ChunkSpec]] = {fqn: [] for fqn in tensors}
+    by_fqn: dict[str, list[ChunkSpec]] = {fqn: [] for fqn in tensors if fqn not in splits}
     for fqn, spec, _ in unique:
+        if fqn in splits:
+            raise ValueError(f"{fqn!r}: every rank holds its part of {splits[fqn]}, and a rank also holds {spec}")
         by_fqn[fqn].append(spec)
     for fqn, specs in by_fqn.items():
         check_exact_cover(fqn, tensors[fqn][1], specs, partial=partial)
 
     itemsize = {dt: str_to_dtype(dt).itemsize for dt in {d for d, _ in tensors.values()}}
-    load: dict[int, int] = {}
+    split_load = split_bytes_per_rank({f: (sp, tensors[f][1], itemsize[tensors[f][0]]) for f, sp in splits.items()},
+                                      world)
+    load: dict[int, int] = {r: b for r, b in enumerate(split_load) if b}
     chunks: list[PlannedChunk] = []
     replicated = []
-    total = 0
+    total = sum(split_load)
     for fqn, spec, ranks in unique:
         nbytes = spec.numel * itemsize[tensors[fqn][0]]
         total += nbytes
@@ -288,7 +359,6 @@ def make_global_plan(plans: list[LocalPlan], *, partial: bool = False) -> Global
             chunks.append(PlannedChunk(fqn, spec, nbytes, ranks[0]))
         else:
             replicated.append((nbytes, fqn, spec, tuple(ranks)))
-    world = max((p.rank for p in plans), default=0) + 1
     part_bytes = total / world / SPLIT_PARTS_PER_MEAN
     parts = []
     for nbytes, fqn, spec, ranks in replicated:
@@ -307,7 +377,7 @@ def make_global_plan(plans: list[LocalPlan], *, partial: bool = False) -> Global
         load[writer] = load.get(writer, 0) + nbytes
         picker.refresh(writer)
         chunks.append(PlannedChunk(fqn, spec, nbytes, writer))
-    return GlobalPlan(tensors, chunks, aliases, [(fqn, spec, ranks) for _, fqn, spec, ranks in replicated])
+    return GlobalPlan(tensors, chunks, aliases, [(fqn, spec, ranks) for _, fqn, spec, ranks in replicated], splits)
 
 
 # ------------------------------------------------------------------------------------------------ #
@@ -349,7 +419,8 @@ class SendOp:
 @dataclass(frozen=True)
 class WriteChunk:
     """A chunk a rank writes: ``spec`` of ``fqn``, at ``offset`` in data file ``file`` (segment
-    ``segment`` of the rank), whose bytes come from ``fills`` in order."""
+    ``segment`` of the rank), whose bytes come from ``fills`` in order. ``slot``: for a part of a
+    split tensor, its record's slot in the rank's index file (format v2); -1 for an explicit chunk."""
 
     fqn: str
     spec: ChunkSpec
@@ -358,6 +429,24 @@ class WriteChunk:
     segment: int
     offset: int
     fills: tuple
+    slot: int = -1
+
+
+class PerRank(Sequence):
+    """``plan.writes[r]`` / ``plan.segments[r]``: computed for a rank when first asked for (a rank
+    executes only its own; the commit needs no other rank's), so that a plan of ranks x split tensors
+    parts costs O(tensors) to make, not O(ranks x tensors)."""
+
+    def __init__(self, world: int, get: Callable[[int], list]):
+        self._world, self._get = world, get
+
+    def __len__(self) -> int:
+        return self._world
+
+    def __getitem__(self, r: int) -> list:  # type: ignore[override]
+        if not -self._world <= r < self._world:
+            raise IndexError(r)
+        return self._get(r % self._world)
 
 
 @dataclass
@@ -365,14 +454,17 @@ class SavePlan:
     """Everything every rank executes for one layout (cached by the engine).
 
     ``writes[r]``: rank ``r``'s chunks in file order; ``segments[r]``: its data files
-    ``(relative path, bytes)``; ``sends[r]``: merge transfers it sends; ``bytes_per_rank[r]``:
-    bytes it writes.
+    ``(relative path, bytes)`` (both computed per rank on first use, :class:`PerRank`);
+    ``sends[r]``: merge transfers it sends; ``bytes_per_rank[r]``: bytes it writes;
+    ``splits``: ``fqn -> (EvenSplit, slot)`` of the split tensors (format v2: rank ``k`` writes part
+    ``k`` and its index record at ``slot``); ``explicit[r]``: ``(fqn, spec, nbytes)`` of rank ``r``'s
+    other chunks, in the order they appear in ``writes[r]`` (what the commit needs of every rank).
     """
 
     tensors: dict[str, tuple[str, tuple[int, ...]]]
     aliases: dict[str, str]
-    writes: list[list[WriteChunk]]
-    segments: list[list[tuple[str, int]]]
+    writes: Sequence[list[WriteChunk]]
+    segments: Sequence[list[tuple[str, int]]]
     sends: list[list[SendOp]]
     bytes_per_rank: list[int]
     per_rank_fqns: tuple[str, ...] = ()
@@ -380,6 +472,8 @@ class SavePlan:
     transfers: int = 0
     transfer_bytes: int = 0
     replicas: tuple = ()  # GlobalPlan.replicas
+    splits: dict[str, tuple[EvenSplit, int]] = field(default_factory=dict)
+    explicit: Sequence[list[tuple[str, ChunkSpec, int]]] = ()
 
     @property
     def max_mean_bytes(self) -> float:
@@ -407,6 +501,10 @@ def make_save_plan(plans: list[LocalPlan], *, flat_ranges: str = "store", segmen
         partial: the plans are a part of a job-wide state (a memory-tier copy of one rank's shards,
             :mod:`unickpt.tiers`): shards must not overlap but need not cover their global tensors.
 
+    Cost: O(tensors + explicit chunks + world); a rank's files and offsets cost O(its chunks) when
+    first asked for (:class:`PerRank`), except that the receivers of merge transfers are laid out at
+    once (their transfers are numbered in one global order).
+
     Raises what :func:`make_global_plan` raises, and ValueError for an unknown ``flat_ranges``.
     """
     if flat_ranges not in ("store", "merge"):
@@ -420,19 +518,22 @@ def _make_save_plan(plans: list[LocalPlan], flat_ranges: str, segment_bytes: int
     world = max((p.rank for p in plans), default=0) + 1
     by_rank = {p.rank: p for p in plans}
     guarded_sets: dict[int, frozenset] = {}  # by id of the guarded tuple: ranks sharing a plan share it
+    guards: dict[int, frozenset] = {}  # rank -> its guarded fqns (only ranks with some): what the lazy
+    # per-rank layouts keep of the local plans, so that a cached plan does not hold every rank's plan
+    for p in plans:
+        if p.guarded:
+            g = guarded_sets.get(id(p.guarded))
+            if g is None:
+                g = guarded_sets[id(p.guarded)] = frozenset(p.guarded)
+            guards[p.rank] = g
 
     def is_guarded(r: int, fqn: str) -> bool:
-        g = by_rank[r].guarded
-        if not g:
-            return False
-        s = guarded_sets.get(id(g))
-        if s is None:
-            s = guarded_sets[id(g)] = frozenset(g)
-        return fqn in s
+        g = guards.get(r)
+        return g is not None and fqn in g
 
-    # (fqn, spec, nbytes, parts) per writer; parts = (byte_start, nbytes, src, src_byte, view)
-    todo: list[list[tuple]] = [[] for _ in range(world)]
-    merged: list[list[tuple]] = [[] for _ in range(world)]
+    # (fqn, spec, nbytes, parts, slot) per writer; parts = (byte_start, nbytes, src, src_byte, view)
+    todo: dict[int, list[tuple]] = {}
+    merged: dict[int, list[tuple]] = {}
     by_fqn: dict[str, list[PlannedChunk]] = {}
     for c in gp.chunks:
         by_fqn.setdefault(c.fqn, []).append(c)
@@ -445,44 +546,66 @@ def _make_save_plan(plans: list[LocalPlan], flat_ranges: str, segment_bytes: int
             merged_tensors += 1
             for m in merge_ranges(shape, itemsize, [(c.spec.start, c.spec.length, c.writer) for c in chunks]):
                 parts = tuple((b, n, src, sb, None) for b, n, src, sb in m.parts)
-                merged[m.writer].append((fqn, m.spec, m.nbytes, parts))
+                merged.setdefault(m.writer, []).append((fqn, m.spec, m.nbytes, parts, -1))
             continue
         for c in sorted(chunks, key=lambda c: _spec_key(c.spec)):
-            view = _relative_view(by_rank[c.writer].tensors[fqn][2], c.spec)
-            todo[c.writer].append((fqn, c.spec, c.nbytes, ((0, c.nbytes, c.writer, 0, view),)))
+            leaf_spec = by_rank[c.writer].tensors[fqn][2]
+            view = None if isinstance(leaf_spec, EvenSplit) else _relative_view(leaf_spec, c.spec)
+            todo.setdefault(c.writer, []).append((fqn, c.spec, c.nbytes, ((0, c.nbytes, c.writer, 0, view),), -1))
+    splits = {fqn: (split, slot) for slot, (fqn, split) in enumerate(gp.splits.items())}
+    split_items = [(fqn, split, slot, gp.tensors[fqn][1], str_to_dtype(gp.tensors[fqn][0]).itemsize)
+                   for fqn, (split, slot) in splits.items()]
 
-    writes: list[list[WriteChunk]] = []
-    segments: list[list[tuple[str, int]]] = []
-    for r in range(world):
+    def items_of(r: int) -> list[tuple]:
+        """Rank r's chunks in file order: staged before save() returns, then guarded tensors (overlap
+        snapshots); merged chunks last within each, so their receives have the most time to arrive;
+        fqn order otherwise."""
+        parts = []
+        for fqn, split, slot, shape, isz in split_items:
+            box = split.part(shape, r)
+            if box is not None:
+                parts.append((fqn, box, box.numel * isz, ((0, box.numel * isz, r, 0, None),), slot))
+        own = list(heapq.merge(todo.get(r, []), parts, key=lambda x: x[0])) if parts else todo.get(r, [])
+        items = own + merged.get(r, [])
+        order = sorted(range(len(items)), key=lambda i: (is_guarded(r, items[i][0]), i >= len(own), i))
+        return [items[i] for i in order]
+
+    def explicit_of(r: int) -> list[tuple[str, ChunkSpec, int]]:
+        items = todo.get(r, []) + merged.get(r, [])
+        n = len(todo.get(r, []))
+        order = sorted(range(len(items)), key=lambda i: (is_guarded(r, items[i][0]), i >= n, i))
+        return [items[i][:3] for i in order]
+
+    layouts: dict[int, tuple[list, list]] = {}  # rank -> (chunks with stream positions, segments)
+
+    def layout(r: int) -> tuple[list, list]:
+        got = layouts.get(r)
+        if got is not None:
+            return got
         chunks, segs, seg_size = [], [], 0
-        # file order: what is staged before save() returns, then guarded tensors (overlap snapshots);
-        # merged chunks last within each, so their receives have the most time to arrive
-        items = todo[r] + merged[r]
-        order = sorted(range(len(items)), key=lambda i: (is_guarded(r, items[i][0]), i >= len(todo[r]), i))
-        for fqn, spec, nbytes, parts in (items[i] for i in order):
+        for fqn, spec, nbytes, parts, slot in items_of(r):
             if not segs or (seg_size and seg_size + nbytes > segment_bytes):
                 segs.append(data_file(r, len(segs)))
                 seg_size = 0
-            chunks.append((fqn, spec, nbytes, len(segs) - 1, seg_size, parts))
+            chunks.append((fqn, spec, nbytes, len(segs) - 1, seg_size, parts, slot))
             seg_size += nbytes
         sizes = [0] * len(segs)
-        for _, _, nbytes, seg, off, _ in chunks:
+        for _, _, nbytes, seg, off, _, _ in chunks:
             sizes[seg] = max(sizes[seg], off + nbytes)
         bases, _ = stream_layout(sizes)
-        rank_writes = []
-        for fqn, spec, nbytes, seg, off, parts in chunks:
-            rank_writes.append((fqn, spec, nbytes, seg, off, bases[seg] + off, parts))
-        writes.append(rank_writes)  # type: ignore[arg-type]
-        segments.append(list(zip(segs, sizes)))
+        got = layouts[r] = ([(fqn, spec, nbytes, seg, off, bases[seg] + off, parts, slot)
+                             for fqn, spec, nbytes, seg, off, parts, slot in chunks], list(zip(segs, sizes)))
+        return got
 
     # fills and sends: received parts are cut where the receiver's stream crosses a granule boundary
-    # (so that a receive never straddles the ring's wrap), numbered in one global order
+    # (so that a receive never straddles the ring's wrap), numbered in one global order (by receiver)
     sends: list[list[SendOp]] = [[] for _ in range(world)]
-    final: list[list[WriteChunk]] = []
+    recv_fills: dict[tuple[int, int], list] = {}  # (receiver, chunk position) -> fills
     index = transfers_bytes = 0
-    for r in range(world):
-        out = []
-        for fqn, spec, nbytes, seg, off, stream_pos, parts in writes[r]:
+    for r in sorted(merged):
+        for ci, (fqn, spec, nbytes, seg, off, stream_pos, parts, slot) in enumerate(layout(r)[0]):
+            if all(src == r for _, _, src, _, _ in parts):
+                continue
             fills: list = []
             for b, n, src, sb, view in parts:
                 if src == r:
@@ -499,10 +622,24 @@ def _make_save_plan(plans: list[LocalPlan], flat_ranges: str, segment_bytes: int
                     index += 1
                     transfers_bytes += k
                     pos = stop
-            out.append(WriteChunk(fqn, spec, nbytes, segments[r][seg][0], seg, off, tuple(fills)))
-        final.append(out)
-    bytes_per_rank = [sum(c.nbytes for c in w) for w in final]
+            recv_fills[(r, ci)] = fills
+    finals: dict[int, list[WriteChunk]] = {}
+
+    def writes_of(r: int) -> list[WriteChunk]:
+        got = finals.get(r)
+        if got is None:
+            chunks, segments = layout(r)
+            got = finals[r] = [
+                WriteChunk(fqn, spec, nbytes, segments[seg][0], seg, off,
+                           tuple(recv_fills.get((r, ci)) or (LocalFill(b, n, view, sb) for b, n, _, sb, view in parts)),
+                           slot)
+                for ci, (fqn, spec, nbytes, seg, off, _, parts, slot) in enumerate(chunks)]
+        return got
+
+    bytes_per_rank = gp.bytes_per_rank(world)
     per_rank_fqns = tuple(sorted({f for fqns in {id(p.per_rank_fqns): p.per_rank_fqns for p in plans}.values()
                                   for f in fqns}))
-    return SavePlan(gp.tensors, gp.aliases, final, segments, sends, bytes_per_rank, per_rank_fqns, merged_tensors,
-                    index, transfers_bytes, tuple(gp.replicas))
+    del by_rank, guarded_sets
+    return SavePlan(gp.tensors, gp.aliases, PerRank(world, writes_of), PerRank(world, lambda r: layout(r)[1]), sends,
+                    bytes_per_rank, per_rank_fqns, merged_tensors, index, transfers_bytes, tuple(gp.replicas), splits,
+                    PerRank(world, explicit_of))

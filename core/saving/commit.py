@@ -3,9 +3,11 @@
 Runs on the engine's commit thread (one per engine, so saves commit in the order they were called),
 on the private *background* gloo group, after the drain (:meth:`~unickpt.saving.pipeline.SavePipeline.wait_drained`):
 
-1. each rank writes its per-rank object file (and uploads it with ``upload_to``);
-2. ``all_gather`` of every rank's outcome as compact JSON (**2 collectives**, no pickle: checksums of
-   its chunks, its object file, or its failure with the stage's name);
+1. each rank writes its per-rank object file and, when the plan has split tensors (format v2), its
+   index file ``index/<rank>.idx`` (the files, offsets and checksums of its parts of them); both
+   are uploaded with ``upload_to``;
+2. ``all_gather`` of every rank's outcome as compact JSON (**2 collectives**, no pickle: places and
+   checksums of its explicit chunks, its object file, or its failure with the stage's name);
 3. if every rank succeeded, group rank 0 builds the metadata (:func:`build_metadata`) and writes it
    atomically: the remote copy's first when uploading, then the local one. Its presence is the
    commit (:mod:`unickpt.lifecycle.directory`); then ``on_commit`` runs (``latest``, retention);
@@ -26,7 +28,9 @@ from typing import Any
 import torch
 
 from ..errors import SaveFailedError
-from ..format.layout import METADATA_FILE, objects_file
+from ..format.index import IndexRecord, encode_index
+from ..format.integrity import CHECKSUM_BLOCK_BYTES, MAX_BLOCKS_PER_CHUNK
+from ..format.layout import INDEX_DIR, METADATA_FILE, data_file, index_file, objects_file
 from ..format.metadata import CheckpointMetadata, ChunkMeta, TensorMeta, spec_order
 from .pipeline import DrainResult
 from .request import SaveRequest, SaveStats
@@ -45,26 +49,38 @@ class _StageFailure(Exception):
 def build_metadata(plan: Any, results: list[dict], *, world_size: int, skeleton: Any, step: int | None = None,
                    framework: str | None = None, run_id: str | None = None, extra: dict | None = None,
                    partial: bool = False) -> CheckpointMetadata:
-    """The metadata a save commits: every chunk of ``plan`` (a :class:`~unickpt.plan.save_plan.SavePlan`)
-    with its file, offset and checksums, tensors' chunks in spec order.
+    """The metadata a save commits: every explicit chunk of ``plan`` (a
+    :class:`~unickpt.plan.save_plan.SavePlan`) with its file, offset and checksums, tensors' chunks
+    in spec order; each split tensor as its rule and index slot (format v2; its parts' records are in
+    the writers' index files).
 
     Args:
-        results: per rank, ``{"digests": [(checksum, block checksums, block bytes)] in the order of
-            plan.writes[rank], "per_rank_file": relative path or None}``.
+        results: per rank, ``{"digests": [(checksum, block checksums, block bytes)], "places":
+            [(data file number, byte offset)]`` of its explicit chunks in the order of
+            ``plan.explicit[rank]``, ``"per_rank_file": relative path or None}``.
         world_size: the saving world (``layout.world_size``; also ``per_rank.world_size``).
         partial: the save was a part of a job-wide state (``SaveOptions.partial``): ``layout.partial``
             is set, and readers accept tensors that the chunks do not cover entirely.
 
-    Linear in the number of chunks (one sort per tensor).
+    Linear in the number of explicit chunks (one sort per tensor) plus the tensors and ranks.
     """
-    chunks: dict[str, list[ChunkMeta]] = {fqn: [] for fqn in plan.tensors}
-    for r, writes in enumerate(plan.writes):
-        for c, (digest, blocks, block_bytes) in zip(writes, results[r]["digests"]):
-            chunks[c.fqn].append(ChunkMeta(c.spec, c.file, c.offset, c.nbytes, digest, tuple(blocks), block_bytes))
-    tensors = {
-        fqn: TensorMeta(dtype, shape, tuple(sorted(chunks[fqn], key=lambda c: spec_order(c.spec))))
-        for fqn, (dtype, shape) in plan.tensors.items()
-    }
+    chunks: dict[str, list[ChunkMeta]] = {fqn: [] for fqn in plan.tensors if fqn not in plan.splits}
+    for r in range(world_size):
+        res = results[r]
+        for (fqn, spec, nbytes), (digest, blocks, block_bytes), (seg, off) in zip(plan.explicit[r], res["digests"],
+                                                                                 res["places"]):
+            chunks[fqn].append(ChunkMeta(spec, data_file(r, seg), off, nbytes, digest, tuple(blocks), block_bytes))
+    tensors = {}
+    for fqn, (dtype, shape) in plan.tensors.items():
+        if fqn in plan.splits:
+            split, slot = plan.splits[fqn]
+            tensors[fqn] = TensorMeta(dtype, shape, split=split, slot=slot)
+        else:
+            tensors[fqn] = TensorMeta(dtype, shape, tuple(sorted(chunks[fqn], key=lambda c: spec_order(c.spec))))
+    index = {}
+    if plan.splits:
+        index = {"writers": world_size, "slots": len(plan.splits), "block_bytes": CHECKSUM_BLOCK_BYTES,
+                 "max_blocks": MAX_BLOCKS_PER_CHUNK}
     per_rank = {}
     if plan.per_rank_fqns:
         per_rank = {"world_size": world_size, "fqns": list(plan.per_rank_fqns),
@@ -72,7 +88,7 @@ def build_metadata(plan: Any, results: list[dict], *, world_size: int, skeleton:
     layout: dict = {"world_size": world_size, **({"partial": True} if partial else {})}
     return CheckpointMetadata(tensors=tensors, state_tree=skeleton, layout=layout,
                               aliases=plan.aliases, per_rank=per_rank, step=step, framework=framework,
-                              run_id=run_id, extra=extra or {})
+                              run_id=run_id, extra=extra or {}, index=index)
 
 
 class Committer:
@@ -97,7 +113,12 @@ class Committer:
             if any(d is None for d in drained.digests):
                 raise RuntimeError("checksum stage: some chunks were written without a checksum")
             per_rank_file = self._write_per_rank(req, snap, stats)
-            result = {"ok": True, "digests": drained.digests, "per_rank_file": per_rank_file}
+            mine = plan.writes[self.rank]
+            if plan.splits:
+                self._write_index(req, plan, mine, drained.digests, stats)
+            explicit = [i for i, c in enumerate(mine) if c.slot < 0]
+            result = {"ok": True, "digests": [drained.digests[i] for i in explicit],
+                      "places": [(mine[i].segment, mine[i].offset) for i in explicit], "per_rank_file": per_rank_file}
         except BaseException as e:
             result = {"ok": False, "error": str(e) if isinstance(e, _StageFailure) else format_exc(e)}
         t_commit = time.perf_counter()
@@ -174,6 +195,22 @@ class Committer:
             except BaseException as e:
                 raise RuntimeError(format_upload_error(e)) from e
         return rel
+
+    def _write_index(self, req: SaveRequest, plan: Any, mine: list, digests: list, stats: SaveStats) -> None:
+        """Format v2: this rank's index file, a record per split tensor (its part: file, offset,
+        checksums; an empty record where its part is empty), durable before the commit."""
+        records = {c.slot: IndexRecord(c.segment, c.offset, c.nbytes, d[0], tuple(d[1]), d[2])
+                   for c, d in zip(mine, digests) if c.slot >= 0}
+        rel = index_file(self.rank)
+        storage = req.storage
+        storage.mkdir(storage.join(req.path, INDEX_DIR))
+        stats.bytes_written += storage.write_file(storage.join(req.path, rel),
+                                                  [encode_index(self.rank, len(plan.splits), records)])
+        if req.options.upload_to is not None:
+            try:
+                stats.bytes_uploaded += Uploader.upload_file(req, rel)
+            except BaseException as e:
+                raise RuntimeError(format_upload_error(e)) from e
 
     def _after_commit(self, req: SaveRequest, stats: SaveStats, t_commit: float) -> None:
         """Group rank 0, right after ``metadata.json`` landed: stats, ``on_commit``, the log line."""

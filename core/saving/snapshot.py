@@ -109,7 +109,7 @@ def take_snapshot(state: dict, *, rank: int, world_size: int, snapshot_mode: str
                 check_leaf_fits(leaf)
             if snapshot_mode == "overlap":
                 _overlap(snap, flat, clone_limit)
-            local = make_local_plan(flat, rank, snap.guarded)
+            local = make_local_plan(flat, rank, snap.guarded, world_size)
             snap.signature = local.signature()
             local.objects_digest = hashlib.blake2b(repr(sorted(flat.objects)).encode(), digest_size=8).hexdigest()
             snap.local, snap.flat = local, flat

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import sys
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..errors import RankFailuresError, UnickptError
 from ..format.metadata import read_metadata
@@ -62,6 +62,13 @@ def _human(nbytes: float) -> str:
     return ""
 
 
+def _chunk_count(t: Any) -> str:
+    """The chunks of a tensor, without reading index files: a split tensor (format v2) shows its rule."""
+    if t.split is None:
+        return str(len(t.explicit))
+    return f"{t.split.nonempty(t.shape)} (split dim {t.split.dim} / {t.split.parts})"
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     storage = open_storage(args.path)
     if storage.exists(args.path) and not storage.isdir(args.path):
@@ -81,7 +88,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"layout      {json.dumps(meta.layout)}")
     print(f"tensors     {len(meta.tensors)} ({_human(total)}), {len(meta.aliases)} aliases, "
           f"{len(meta.per_rank.get('fqns', []))} per-rank objects")
-    rows = [(fqn, t.dtype, "x".join(map(str, t.shape)) or "scalar", str(len(t.chunks)), _human(t.nbytes))
+    rows = [(fqn, t.dtype, "x".join(map(str, t.shape)) or "scalar", _chunk_count(t), _human(t.nbytes))
             for fqn, t in sorted(meta.tensors.items())]
     rows += [(fqn, "alias", f"-> {target}", "", "") for fqn, target in sorted(meta.aliases.items())]
     header = ("fqn", "dtype", "shape", "chunks", "bytes")

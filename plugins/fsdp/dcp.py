@@ -169,6 +169,9 @@ def _commit_generation(storage: ext.StorageBackend, path: str, gen: str) -> None
     per_rank = doc.get("per_rank")
     if per_rank and per_rank.get("files"):
         per_rank["files"] = [None if f is None else posixpath.join(gen, f) for f in per_rank["files"]]
+    if doc.get("index"):  # format v2: split tensors' data and index files are found under this prefix
+        prefix = doc["index"].get("prefix")
+        doc["index"]["prefix"] = posixpath.join(gen, prefix) if prefix else gen
     doc.setdefault("extra", {}).setdefault("dcp", {})["generation"] = gen
     top = storage.join(path, ext.METADATA_FILE)
     old = None
@@ -192,11 +195,25 @@ def _commit_generation(storage: ext.StorageBackend, path: str, gen: str) -> None
         keep = {c["file"] for tm in doc.get("tensors", {}).values() for c in tm.get("chunks", [])}
         files = {c.get("file") for tm in old.get("tensors", {}).values() for c in tm.get("chunks", [])}
         files |= set((old.get("per_rank") or {}).get("files") or [])
+        files |= _split_files(storage, path, old)
         for rel in sorted(f for f in files - keep if isinstance(f, str) and ".." not in f.split("/")):
             try:
                 storage.rm(storage.join(path, rel))
             except FileNotFoundError:
                 pass
+
+
+def _split_files(storage: ext.StorageBackend, path: str, doc: dict) -> set[str]:
+    """Format v2, a checkpoint written into ``path`` itself: the index files and data files of its
+    writers (split tensors' parts are in ``data/<rank>_<n>.bin``, named by rank, not listed)."""
+    index = doc.get("index") or {}
+    writers = index.get("writers")
+    if not isinstance(writers, int) or index.get("prefix"):
+        return set()
+    names = set(storage.listdir(storage.join(path, "data")))
+    return ({f"index/{k}.idx" for k in range(writers)}
+            | {f"data/{n}" for n in names if n.endswith(".bin") and n.split("_")[0].isdigit()
+               and int(n.split("_")[0]) < writers})
 
 
 def _jsonable_mapping(planner_data: Any) -> Any:
@@ -597,7 +614,7 @@ class StorageReader(_DCPReader):
                 entry.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(tm.shape)))
                 continue
             chunks = [ChunkStorageMetadata(torch.Size(p.box.offsets), torch.Size(p.box.lengths))
-                      for c in tm.chunks for p in ext.chunk_pieces(c.spec, tm.shape)]
+                      for spec in tm.specs() for p in ext.chunk_pieces(spec, tm.shape)]
             sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=ext.str_to_dtype(tm.dtype)), torch.Size(tm.shape), chunks)
         for alias, source in meta.aliases.items():
             if source in sdm:

@@ -1,6 +1,7 @@
 """Worker functions for test_zero_redundancy.py (run on every rank of a DistPool)."""
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -46,7 +47,11 @@ def load(path: str, layout: str, verify: bool, redistribute: bool | None = True,
     stats = unickpt.load(path, state, strict=False, verify=verify, redistribute=redistribute,
                          options=unickpt.LoadOptions(read_buffer_bytes=read_buffer_bytes))
     meta_bytes = os.path.getsize(os.path.join(path, "metadata.json"))
-    assert stats.storage_bytes_read == stats.bytes_read + meta_bytes, (stats.storage_bytes_read, stats.bytes_read)
+    # tensor bytes, metadata.json and (format v2: the rows are each rank's part of an even split) the
+    # index records of the parts this rank needs, nothing else
+    assert stats.storage_bytes_read == stats.bytes_read + meta_bytes + stats.index_bytes_read, stats.as_dict()
+    if json.load(open(os.path.join(path, "metadata.json")))["format_version"] == 1:
+        assert stats.index_bytes_read == 0
     ok = torch.equal(state["v"], torch.arange(1000, dtype=torch.float64))
     for name, leaf in state.items():
         if name == "v":

@@ -429,8 +429,10 @@ def test_ranks_must_agree_on_plan_options(pool, tmp_path):
 def test_two_tier_upload_commits_both_copies(pool, tmp_path):
     results = pool(2).run(w.commit_and_load_remote, str(tmp_path))
     for r in results:
-        assert r["ok"] == [True, True] and r["uploaded"] == r["written"] == 2_000_000
+        # each rank's 2 MB part, and its index file (format v2: header, one record, two block checksums)
+        assert r["ok"] == [True, True] and r["uploaded"] == r["written"] == 2_000_000 + 32 + 48 + 16
         assert r["files"] == ["0_0.bin", "1_0.bin"]
+    assert sorted(os.listdir(tmp_path / "remote" / "ck" / "index")) == ["0.idx", "1.idx"]
     meta_local = json.load(open(tmp_path / "local" / "ck" / "metadata.json"))
     meta_remote = json.load(open(tmp_path / "remote" / "ck" / "metadata.json"))
     assert meta_local["tensors"] == meta_remote["tensors"]

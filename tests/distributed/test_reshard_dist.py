@@ -2,13 +2,13 @@
 mesh, flat irregular shards, row boxes), bitwise, on real gloo process groups."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 
 import unickpt
+from unickpt.tools.reader import CheckpointReader
 from layouts import LAYOUTS, TENSORS, bits, empty_like_layout, expected_local, layout_leaf, local_of
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -62,19 +62,20 @@ def test_roundtrip_n_to_m(pool, saved, n, m, rotate):
 def test_replicated_written_once_and_balanced(saved):
     """Each unique chunk is stored exactly once; total stored bytes equal the tensors' bytes."""
     path = saved[4]
-    meta = json.load(open(os.path.join(path, "metadata.json")))
+    meta = CheckpointReader(path).meta  # format v2: split tensors' chunks come from the index files
     per_key = {name: torch.tensor([], dtype=dtype).element_size() * torch.Size(shape).numel()
                for name, (shape, dtype) in TENSORS.items()}
     for layout in LAYOUTS:
         for name in TENSORS:
-            entry = meta["tensors"][f"{layout}.{name}"]
-            stored = sum(c["byte_length"] for c in entry["chunks"])
+            stored = sum(c.byte_length for c in meta.tensors[f"{layout}.{name}"].chunks)
             assert stored == per_key[name], (layout, name, stored)
     data_bytes = sum(os.path.getsize(os.path.join(path, "data", f)) for f in os.listdir(os.path.join(path, "data")))
     assert data_bytes == sum(per_key.values()) * len(LAYOUTS) + 8  # + the float64 scalar
     # replicated tensors are spread over ranks, not all on rank 0
-    writers = {c["file"] for name in TENSORS for c in meta["tensors"][f"replicated.{name}"]["chunks"]}
+    writers = {c.file for name in TENSORS for c in meta.tensors[f"replicated.{name}"].chunks}
     assert len(writers) > 1, writers
+    # DTensor Shard(0) over the 4 ranks: each rank's part of an even split (format v2)
+    assert meta.format_version == 2 and any(t.split is not None for t in meta.tensors.values())
 
 
 def _load_partial(path: str, verify: bool) -> int:

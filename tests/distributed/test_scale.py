@@ -16,7 +16,7 @@ from unickpt.format.metadata import CheckpointMetadata
 from unickpt.plan.save_plan import LocalPlan, decode_plans, make_global_plan, make_local_plan, make_save_plan
 from unickpt.plan.read_plan import make_read_plan
 from unickpt.loading.targets import merge_ranges
-from unickpt.geometry import Box, ChunkIndex, FlatRange, check_exact_cover, chunk_pieces, intersect
+from unickpt.geometry import Box, ChunkIndex, EvenSplit, FlatRange, check_exact_cover, chunk_pieces, intersect
 
 _spec = importlib.util.spec_from_file_location(
     "plan_sim", os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "plan_sim.py"))
@@ -27,7 +27,9 @@ _spec.loader.exec_module(ps)
 BYTES_PER_PARAM = 2 + 4 + 4  # bf16 parameter + two fp32 AdamW moments
 
 
-def _contains(outer, inner) -> bool:
+def _contains(outer, inner, shape=None, rank=None) -> bool:
+    if isinstance(outer, EvenSplit):  # the rank's part of a split of the group (format v2)
+        outer = outer.part(shape, rank)
     if isinstance(outer, FlatRange) or isinstance(inner, FlatRange):
         return outer == inner
     return all(o <= i and i + n <= o + m for o, m, i, n in zip(outer.offsets, outer.lengths, inner.offsets, inner.lengths))
@@ -54,11 +56,15 @@ def test_simulated_save_plan_writes_every_byte_once_from_a_holder(layout, world)
     by_fqn: dict = {}
     for r, writes in enumerate(plan.writes):
         for c in writes:
-            assert _contains(plans[r].tensors[c.fqn][2], c.spec), (c.fqn, c.spec, r)  # the writer holds it
+            _, shape, held = plans[r].tensors[c.fqn]
+            assert _contains(held, c.spec, shape, r), (c.fqn, c.spec, r)  # the writer holds it
             by_fqn.setdefault(c.fqn, []).append(c.spec)
     for fqn, (_, shape) in plan.tensors.items():
         check_exact_cover(fqn, shape, by_fqn[fqn])  # no gap, no overlap
     assert set(meta.tensors) == set(plan.tensors)
+    if layout == "fsdp":  # every tensor is each rank's part of one split: one plan gathered, no chunk listed
+        assert rec["distinct_plans"] == 1 and rec["explicit_chunks"] == 0 and len(plan.splits) == len(plan.tensors)
+        assert all(t.split == EvenSplit(0, world) for t in meta.tensors.values())
     if layout == "hsdp":  # replicas balanced over their holders
         assert plan.max_mean_bytes < 1.15
     if layout == "3d":  # pipeline stages differ in size; the DP replicas of one (stage, TP rank) balance
@@ -84,6 +90,25 @@ def test_metadata_grows_with_unique_chunks_not_with_ranks():
     assert fsdp["chunks"] == fsdp["plan_entries"]
     for rec in (fsdp, large):  # at most ~250 bytes per chunk plus 27 per block checksum (chunks > 1 MiB)
         assert rec["metadata_bytes"] < 250 * rec["chunks"] + 28 * rec["block_checksums"]
+
+
+def test_fsdp_metadata_and_gathered_plans_do_not_grow_with_ranks():
+    small, meta = ps.measure_save(ps.make_plans("7b", "fsdp", 16))
+    large, _ = ps.measure_save(ps.make_plans("7b", "fsdp", 512))
+    assert large["plan_entries"] == 32 * small["plan_entries"] and large["chunks"] > 20 * small["chunks"]
+    # what travels: one plan per set of tensors whose parts are empty (ranks past a tensor's rows hold
+    # nothing of it: at 512 ranks, the 7B's 32,000-row embeddings and 4,096-row weights leave 3 sets),
+    # each the same rules, sent as specs only after the first (same tensor table)
+    assert small["distinct_plans"] == 1 and large["distinct_plans"] == 3
+    assert large["gathered_bytes"] < 1.5 * small["gathered_bytes"]
+    # metadata.json holds one line per tensor
+    assert large["metadata_bytes"] - small["metadata_bytes"] < 1000 and large["metadata_bytes"] < 200 * len(meta.tensors)
+    # the parts' records: a fixed-size table per writer (plus 8 bytes per block checksum), read by range
+    for rec, world in ((small, 16), (large, 512)):
+        table = 32 + 48 * len(meta.tensors)
+        assert (rec["index_bytes_rank0"] - table) % 8 == 0 and table <= rec["index_bytes_rank0"] <= table + 8 * 32 * len(
+            meta.tensors)
+        assert world * table <= rec["index_bytes_total"] <= world * (table + 8 * 32 * len(meta.tensors))
 
 
 def test_replicated_split_is_bounded_by_the_world_not_ranks_times_tensors():
@@ -192,15 +217,20 @@ def test_simulated_plans_are_what_make_local_plan_builds():
     world, rank = 4, 1
     plans = ps.make_plans("7b", "fsdp", world)
     state = {}
-    for fqn, (dtype, shape, spec) in plans[rank].tensors.items():
+    for fqn, (dtype, shape, spec) in ps.fsdp_boxes(ps.MODELS["7b"], world, rank).items():
         local = torch.empty(spec.lengths, dtype=getattr(torch, dtype), device="meta")
         state[fqn] = unickpt.Shard(local, shape, offsets=spec.offsets)
-    local = make_local_plan(flatten(state, for_load=False), rank)
+    local = make_local_plan(flatten(state, for_load=False), rank, world_size=world)
     assert local.tensors == plans[rank].tensors
+    assert all(isinstance(s, EvenSplit) for _, _, s in local.tensors.values())  # FSDP2 over the group: rules
+    boxes = make_local_plan(flatten(state, for_load=False), rank)  # alone (world 1): the boxes themselves
+    assert boxes.tensors == ps.fsdp_boxes(ps.MODELS["7b"], world, rank)
     assert LocalPlan.from_bytes(local.to_bytes()) == local and len(local.to_bytes()) < 120 * len(local.tensors)
+    local = boxes
     other = make_local_plan(flatten({f: unickpt.Shard(torch.empty(s.lengths, dtype=getattr(torch, d), device="meta"),
                                                       shape, offsets=s.offsets)
-                                     for f, (d, shape, s) in plans[2].tensors.items()}, for_load=False), 2)
+                                     for f, (d, shape, s) in ps.fsdp_boxes(ps.MODELS["7b"], world, 2).items()},
+                                    for_load=False), 2)
     assert other.table_digest() == local.table_digest() and other.signature() != local.signature()
     specs_only = other.to_bytes(with_table=False)
     assert len(specs_only) < 0.4 * len(other.to_bytes()) and LocalPlan.from_bytes(specs_only, local) == other
@@ -208,12 +238,28 @@ def test_simulated_plans_are_what_make_local_plan_builds():
         LocalPlan.from_bytes(specs_only, LocalPlan(rank=0, tensors={"x": ("float32", (1,), None)}))
 
 
-def test_resharding_load_reads_every_byte_once():
-    plans = ps.make_plans("7b", "3d", 64)
+@pytest.mark.parametrize("saved,loaded", [("3d", "hsdp"), ("fsdp", "fsdp"), ("hsdp", "fsdp"), ("fsdp", "hsdp")])
+def test_resharding_load_reads_every_byte_once(saved, loaded):
+    plans = ps.make_plans("tiny", saved, 64)
     rec, meta = ps.measure_save(plans)
-    load = ps.measure_load(meta, ps.make_plans("7b", "hsdp", 48))
+    load = ps.measure_load(meta, ps.make_plans("tiny", loaded, 48), all_ranks=True)
     assert load["bytes_read"] == rec["bytes"]  # the read plan reads each stored byte once, job-wide
     assert CheckpointMetadata.from_json(meta.to_json()).tensors.keys() == meta.tensors.keys()
+    if loaded == "fsdp":  # the targets are their ranks' parts of splits: nothing listed, one doc per set of
+        # tensors whose parts are empty (48 ranks over 256, 128 and 688 rows: 3 sets)
+        assert load["distinct_needs"] == 3 and load["listed_need_entries"] == 0
+    if loaded == "hsdp":  # replicas send one doc per shard-group position and are planned as one
+        assert load["distinct_needs"] == 8
+
+
+def test_read_plan_plans_replicas_as_one_group():
+    shared = [{0: [(0, 100)], 1: [(50, 50)]}, {1: [(0, 60)]}]
+    needs = [shared[r % 2] for r in range(1000)]  # 500 replicas of each of two needs
+    segs = make_read_plan(needs)
+    evens, odds = tuple(range(0, 1000, 2)), tuple(range(1, 1000, 2))
+    assert [(s.chunk_id, s.start, s.length, s.needers) for s in segs] == [
+        (0, 0, 100, evens), (1, 0, 50, odds), (1, 50, 10, tuple(range(1000))), (1, 60, 40, evens)]
+    assert all(s.reader in s.needers for s in segs)
 
 
 @pytest.mark.parametrize("world", [2, 4])

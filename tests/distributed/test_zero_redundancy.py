@@ -2,12 +2,12 @@
 by the storage layer), the rest travels over the process group; bounded read buffers; failures."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
 import load_workers as lw
+from unickpt.tools.reader import CheckpointReader
 
 TENSOR_BYTES = 2 * lw.N * 64 * 4 + 1000 * 8
 
@@ -98,12 +98,11 @@ def test_local_single_host_default_reads_directly(pool, ckpt):
 def test_one_reader_failing_fails_every_rank_the_same_way(pool, tmp_path):
     path = str(tmp_path / "c")
     pool(4).run(lw.save_rows, path)
-    meta = json.load(open(os.path.join(path, "metadata.json")))
-    chunk = meta["tensors"]["a"]["chunks"][2]
-    with open(os.path.join(path, chunk["file"]), "r+b") as f:
-        f.seek(chunk["byte_offset"] + 10)
+    chunk = CheckpointReader(path).tensor_meta("a").chunks[2]  # format v2: rank 2's part, from its index
+    with open(os.path.join(path, chunk.file), "r+b") as f:
+        f.seek(chunk.byte_offset + 10)
         byte = f.read(1)
-        f.seek(chunk["byte_offset"] + 10)
+        f.seek(chunk.byte_offset + 10)
         f.write(bytes([byte[0] ^ 0xFF]))
     for redistribute in (True, False):
         results = pool(2).run(lw.load_expecting_error, path, redistribute)

@@ -247,7 +247,7 @@ def test_unknown_format_version_is_rejected(tmp_path):
     meta = json.load(open(meta_path))
     meta["format_version"] = 99
     json.dump(meta, open(meta_path, "w"))
-    with pytest.raises(unickpt.FormatVersionError, match="format_version 99 is not supported .* reads version 1"):
+    with pytest.raises(unickpt.FormatVersionError, match="format_version 99 is not supported .* reads versions 1, 2"):
         unickpt.load(tmp_path / "c", {"w": torch.zeros(4)})
 
 

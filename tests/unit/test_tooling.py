@@ -422,16 +422,18 @@ def test_export_holds_one_tensor_at_a_time(tmp_path):
 
     layers = {f"layer{i}": torch.full((4 << 20,), float(i)) for i in range(8)}  # 8 tensors of 16 MB
     unickpt.save(tmp_path / "c", {"model": layers})
-    # a fixed mmap threshold: glibc's dynamic one rises after the first freed 16 MB block, and freed
-    # blocks then stay in its heap, so the peak measured 1-4 blocks (18 to 66 MB) from run to run
+    # glibc's dynamic mmap threshold rises after the first 16 MB block is freed, and it then keeps
+    # freed blocks in its heap: the peak was 1-4 blocks (18-66 MB), varying with the heap's layout
+    # (which imports and code changes shift). A fixed threshold returns every freed block to the
+    # system, so the peak is what the export holds: measured 18 MB on every run
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     res = subprocess.run([sys.executable, "-c", _EXPORT_PEAK, str(tmp_path / "c"), str(tmp_path / "o")],
                          capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     growth = int(res.stdout.split()[-1])
-    # one tensor in memory (16 MB; 18 MB measured), far from the whole model (--format torch, which
-    # holds a shard, measures ~137 MB here)
-    assert growth < 64 << 20, f"export grew the process by {growth >> 20} MB for a 128 MB model of 16 MB tensors"
+    # one tensor in memory (16 MB), far from the whole model (--format torch, which holds a shard,
+    # measures ~137 MB here)
+    assert growth < 32 << 20, f"export grew the process by {growth >> 20} MB for a 128 MB model of 16 MB tensors"
     got = load_file(str(tmp_path / "o" / "model.safetensors"))
     assert got.keys() == layers.keys() and all(torch.equal(got[k], v) for k, v in layers.items())
 

@@ -159,7 +159,12 @@ def test_fsdp2_routes_through_unickpt_not_dcp(runs):
     meta = _metadata(runs["fsdp"])
     weight = meta["tensors"]["models.0.0.weight"]
     assert weight["shape"] == [32, 8]
-    assert sorted(c["offsets"] for c in weight["chunks"]) == [[0, 0], [16, 0]]  # one shard per process, no gather
+    # one shard per process, no gather: each process's rows are its part of an even split (format v2)
+    assert meta["format_version"] == 2 and weight["split"]["dim"] == 0 and weight["split"]["parts"] == 2
+    from unickpt.tools.reader import CheckpointReader
+
+    reader = CheckpointReader(os.path.join(runs["fsdp"], "unickpt", "step_0"))
+    assert sorted(c.spec.offsets for c in reader.tensor_meta("models.0.0.weight").chunks) == [(0, 0), (16, 0)]
     assert "optimizers.0.state.0.weight.exp_avg" in meta["tensors"]
 
 

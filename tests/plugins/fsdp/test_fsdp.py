@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fsdp_workers as w
+from unickpt.tools.reader import CheckpointReader
 
 pytestmark = pytest.mark.timeout(900)
 OTHER = {"fsdp1": "fsdp2", "fsdp1_orig": "fsdp1", "fsdp2": "fsdp1_orig"}
@@ -112,12 +113,12 @@ def test_fsdp1_state_dict_modes(pool, tmp_path, mode):
     """FSDP1 through its SHARDED / FULL state dict; loads into flat FSDP1 and FSDP2 on 2 ranks."""
     path = str(tmp_path / mode)
     ref = pool(4).run(w.save_run, path, "fsdp1", mode=mode)[0]
-    meta = json.load(open(os.path.join(path, "metadata.json")))
-    chunks = meta["tensors"]["model.emb.weight"]["chunks"]
-    if mode == "sharded":  # ShardedTensor row blocks of 11 rows on 4 ranks
-        assert sorted(c["lengths"][0] for c in chunks) == [2, 3, 3, 3]
+    emb = CheckpointReader(path).tensor_meta("model.emb.weight")  # format v2: split parts from the index files
+    chunks = [list(c.spec.lengths) for c in emb.chunks]
+    if mode == "sharded":  # ShardedTensor row blocks of 11 rows on 4 ranks: torch.chunk's parts, one split line
+        assert sorted(c[0] for c in chunks) == [2, 3, 3, 3] and emb.split is not None and emb.split.parts == 4
     else:  # whole tensors, written once
-        assert [c["lengths"] for c in chunks] == [[11, 6]] or sum(c["lengths"][0] for c in chunks) == 11
+        assert chunks == [[11, 6]] or sum(c[0] for c in chunks) == 11
     for r in pool(2).run(w.load_run, path, ["fsdp1", "fsdp2"])[0]:
         assert_same(ref["saved"], r["loaded"], f"FSDP1 {mode} on 4 -> {r['flavour']} on 2")
     r = pool(2).run(w.load_run, path, "fsdp1", mode=mode)[0][0]
