@@ -469,7 +469,7 @@ def test_model_parallel_fsdp2_saved_on_2_resumed_on_1_and_3(tmp_path):
                                          "checkpoint": "last.ckpt.unickpt/step_2", "global_step": 6,
                                          "tensors_from": "epoch=1-step=6.ckpt.unickpt/step_1"}  # save_last: a link
     meta = unickpt.CheckpointMetadata.from_json((ck / "epoch=1-step=6.ckpt.unickpt/step_1/metadata.json").read_bytes())
-    assert meta.layout["world_size"] == 2 and len(meta.tensors["state_dict.net.0.weight"].chunks) == 2
+    assert meta.layout["world_size"] == 2 and len(meta.tensors["state_dict.net.0.weight"].specs()) == 2
     for n, steps_per_epoch in ((1, 6), (3, 2)):
         restored = tmp_path / f"restored{n}.pt"
         run = train(tmp_path, f"mp{n}", "--strategy", "mp", "--devices", n, "--epochs", 3, "--ckpt-dir",
