@@ -333,8 +333,9 @@ class Tiers:
         """Restore the newest memory step every rank has (collective; :mod:`.recovery`), not older than
         ``persisted``. ``state``: the state to load into, or ``state(copy path)`` that builds it for a
         copy (a plugin's template from the copy's metadata); the result's ``state`` is what was
-        loaded. Returns None (the caller loads from storage) when there is none. After a recovery
-        every copy newer than the restored step is removed (another future)."""
+        loaded. Returns None (the caller loads from storage, then calls :meth:`forget_newer`) when
+        there is none. After a recovery every copy newer than the restored step is removed (another
+        future). Raises StateMismatchError / UnsafeObjectError (every rank) when the state does not fit."""
         if not self.memory:
             return None
         assert self.loader is not None
@@ -351,9 +352,10 @@ class Tiers:
 
         recovery = Recovery(self.comm, self.placement, self.layout, load_copy)
         result = recovery.run(persisted, only)
-        step = result.step if result is not None else persisted
-        if step is not None and self.placement.leader(self.rank) == self.rank:
-            self.layout.remove_newer(self.world_size, step)
+        # copies newer than the restored step are another future: removed once a step is restored
+        # (here, or by forget_newer after the caller's load from storage succeeded: never before)
+        if result is not None and self.placement.leader(self.rank) == self.rank:
+            self.layout.remove_newer(self.world_size, result.step)
             self.layout.remove_other_layouts(self.world_size)
         if result is not None:
             result.state = loaded.get("state")
@@ -362,10 +364,11 @@ class Tiers:
         return result
 
     def forget_newer(self, step: int) -> None:
-        """After a load of ``step`` from storage: remove this node's memory copies of later steps
-        (the node's lowest rank; no collective)."""
+        """After a successful load of ``step`` from storage: remove this node's memory copies of later
+        steps and of other world sizes (the node's lowest rank; no collective)."""
         if self.memory and self.placement.leader(self.rank) == self.rank:
             self.layout.remove_newer(self.world_size, step)
+            self.layout.remove_other_layouts(self.world_size)
         with self._lock:
             self._own_newest = min(self._own_newest, step)
 

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, StateMismatchError, UnsafeObjectError
 from ..loading.stats import LoadStats
 from .layout import MemoryLayout, remove_tree
 from .peer import map_file, reserve_file
@@ -146,7 +146,9 @@ class Recovery:
 
     def run(self, persisted: int | None, only: int | None = None) -> RecoveryResult | None:
         """Steps 1-3 of the module docstring. Returns None when no memory step can be restored
-        (the caller loads from storage); raises nothing for bad copies (they are skipped)."""
+        (the caller loads from storage); raises nothing for bad copies (they are skipped), and
+        StateMismatchError / UnsafeObjectError on every rank when a rank's state does not fit its copy
+        (the caller's state is wrong, not the copy: a load from storage would refuse it too)."""
         inventories, persisted = self.gather_inventory(persisted)
         table = plan_sources(inventories, self.placement)
         tried = []
@@ -170,7 +172,7 @@ class Recovery:
             rounds += 1
             pick = {q: sources[q][index[q]] for q in range(ws) if not done[q]}
             received, error = self._transfer(step, pick)
-            ok, text = True, None
+            ok, text, fatal = True, None, None
             if me in pick:
                 src = pick[me]
                 path = received if received is not None else \
@@ -190,6 +192,8 @@ class Recovery:
                         remove_tree(final)
                         os.rename(received, final)
                     outcome = (stats, src.tier)
+                except (StateMismatchError, UnsafeObjectError) as e:  # the caller's state, not the copy
+                    ok, text, fatal = False, str(e), type(e).__name__
                 except Exception as e:
                     ok, text = False, f"{type(e).__name__}: {e}"
                     where = f"rank {self.comm.ranks[src.server]}'s node" if src.server is not None else "this node"
@@ -199,10 +203,15 @@ class Recovery:
                         remove_tree(received)
                     elif isinstance(e, IntegrityError):
                         remove_tree(path)  # corrupt: never offered again
-            blobs = self.comm.all_gather_bytes(json.dumps([ok, text]).encode() if me in pick else b"null",
+            blobs = self.comm.all_gather_bytes(json.dumps([ok, text, fatal]).encode() if me in pick else b"null",
                                                self.comm.plan_group)
             self.collectives += 2
             results = [json.loads(b) for b in blobs]
+            refused = [q for q in pick if results[q][2]]
+            if refused:  # the state does not fit the checkpoint: as a load from storage would, on every rank
+                q = refused[0]
+                cls = StateMismatchError if results[q][2] == "StateMismatchError" else UnsafeObjectError
+                raise cls(f"rank {self.comm.ranks[q]}: restoring step {step} from memory: {results[q][1]}")
             for q in pick:
                 if results[q][0]:
                     done[q] = True

@@ -103,6 +103,22 @@ def _require(cfg: dict, key: str, why: str) -> Any:
     return cfg[key]
 
 
+def _positive(cfg: dict, key: str, default: Any = None) -> int | None:
+    """``cfg[key]`` as a positive int (``default`` when absent). Raises UnickptError naming the key."""
+    value = cfg.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise UnickptError(f"model config {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+# the Hugging Face config.json keys an import records under these megatron names (export reads them back)
+_HF_TO_MEGATRON = {"num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_query_groups",
+                   "head_dim": "kv_channels", "rms_norm_eps": "layernorm_epsilon", "rope_theta": "rotary_base",
+                   "max_position_embeddings": "max_position_embeddings"}
+
+
 # -- megatron -> Hugging Face ------------------------------------------------------------------------
 def export_hf_llama(reader: Any, model_config: dict) -> Any:
     """The ``hf-llama`` export of a megatron-core checkpoint: every ``LlamaForCausalLM`` tensor as pieces
@@ -118,6 +134,12 @@ def export_hf_llama(reader: Any, model_config: dict) -> Any:
     if reader.meta.framework != "megatron":
         raise UnickptError(f"{reader.path!r} was written by {reader.meta.framework or 'unickpt.save'}, not megatron; "
                            "--to hf-llama exports megatron-core checkpoints")
+    # what `unickpt import --to megatron` recorded from the source's config.json; --model-config overrides
+    recorded = dict(((reader.meta.extra or {}).get("megatron") or {}).get("model_config") or {})
+    hf_extra = recorded.pop("hf_extra", {})
+    model_config = {**recorded, **model_config}
+    for key in ("num_attention_heads", "num_query_groups", "kv_channels", "max_position_embeddings"):
+        _positive(model_config, key)
     params = ext.StoredParams(reader.meta)
     names = params.names
     if not any(n.startswith("decoder.layers.0.mlp.linear_fc1.weight#") for n in names):
@@ -161,6 +183,8 @@ def export_hf_llama(reader: Any, model_config: dict) -> Any:
         "rms_norm_eps": float(model_config.get("layernorm_epsilon", 1e-5)),
         "rope_theta": float(model_config.get("rotary_base", 10000.0)), "attention_bias": False, "mlp_bias": False,
         "tie_word_embeddings": tied, "dtype": str(dtype), "torch_dtype": str(dtype)}
+    for key, value in hf_extra.items():  # the source's other settings (token ids, rope scaling, ...)
+        config.setdefault(key, value)
     return ext.ExportPlan(tensors=tensors, files={"config.json": (json.dumps(config, indent=2) + "\n").encode()})
 
 
@@ -182,10 +206,12 @@ def import_megatron(state: dict, model_config: dict, src: str) -> Any:
     cfg.update(model_config)
     if cfg.get("model_type", "llama") not in ("llama", "mistral"):
         raise UnickptError(f"{src}: model_type {cfg.get('model_type')!r} is not a Llama-like model")
-    heads = int(_require(cfg, "num_attention_heads", "config.json"))
-    groups = int(cfg.get("num_key_value_heads") or heads)
-    hidden = int(_require(cfg, "hidden_size", "config.json"))
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    _require(cfg, "num_attention_heads", "config.json")
+    _require(cfg, "hidden_size", "config.json")
+    heads = _positive(cfg, "num_attention_heads")
+    groups = _positive(cfg, "num_key_value_heads") or heads
+    hidden = _positive(cfg, "hidden_size")
+    head_dim = _positive(cfg, "head_dim") or hidden // heads
     tensors = {k: v for k, v in state.items() if torch.is_tensor(v)}
     layers = _layers(list(tensors), r"model\.layers\.(\d+)\.")
     tied = bool(cfg.get("tie_word_embeddings", False)) or "lm_head.weight" not in tensors
@@ -227,8 +253,16 @@ def import_megatron(state: dict, model_config: dict, src: str) -> Any:
         for module in LINEAR_MODULES:
             unique = f"decoder.layers.{module}._extra_state/shard_{i}_{len(layers)}"
             out[OBJECT_PREFIX + unique] = encode_object(None, unique, allow_pickle=False)
+    recorded = {meg: cfg[hf] for hf, meg in _HF_TO_MEGATRON.items() if cfg.get(hf) is not None}
+    rope = (cfg.get("rope_parameters") or {}).get("rope_theta")  # transformers >= 5 keeps it there
+    if rope is not None:
+        recorded.setdefault("rotary_base", rope)
+    recorded.setdefault("num_query_groups", groups)
+    recorded["hf_extra"] = {k: v for k, v in cfg.items() if k not in _HF_TO_MEGATRON and isinstance(
+        v, (str, int, float, bool, list, dict, type(None)))}
     extra = {"megatron": {"backend": "unickpt", "backend_version": 1, "object_prefix": OBJECT_PREFIX,
-                          "keys": {k: v.to_json() for k, v in sorted(infos.items())}}}
+                          "keys": {k: v.to_json() for k, v in sorted(infos.items())},
+                          "model_config": recorded}}
     common = io.BytesIO()
     torch.save({}, common)
     outer = {"sharded_backend": "unickpt", "sharded_backend_version": 1, "common_backend": "torch",

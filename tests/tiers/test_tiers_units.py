@@ -245,3 +245,23 @@ def test_ls_shows_which_tiers_hold_which_steps(tmp_path, shm, capsys):
     assert cli(["ls", root, "--memory-dir", shm]) == 0
     out = capsys.readouterr().out
     assert "memory only" in out and "memory (ranks 0)" in out and run_key(root) in out
+
+
+def test_a_state_that_does_not_fit_is_refused_and_the_memory_copies_stay(tmp_path, shm):
+    # break test: a shape mismatch during memory recovery was logged and skipped (load returned None or
+    # the older persisted step), and the newer memory copies were deleted before the fallback load
+    ck = _ckpt(tmp_path, shm, memory_every=1, persist_every=3, async_save=False)
+    for step in range(1, 6):
+        ck.save(step, _state(step))
+        ck.wait()
+    ck.close()
+    assert unickpt.list_checkpoints(str(tmp_path / "root")) == [(3, True)]
+    again = _ckpt(tmp_path, shm, memory_every=1, persist_every=3, async_save=False)
+    wrong = {"w": torch.zeros(999), "rows": torch.zeros(64), "step": -1}
+    with pytest.raises(unickpt.StateMismatchError, match=r"restoring step 5 from memory: .*'w'.*999"):
+        again.load(wrong)
+    state = {"w": torch.zeros(1000), "rows": torch.zeros(64), "step": -1}
+    assert again.load(state) == 5  # the newest memory copy survived the refused load
+    assert torch.equal(state["w"], _state(5)["w"]) and state["step"] == 5
+    assert again.last_load_stats.tier == "memory" and again.last_load_stats.bytes_by_tier == {"memory": 4256}
+    again.close()

@@ -227,3 +227,24 @@ def test_a_transformers_llama_imports_into_megatron_tp2_with_equal_logits(tmp_pa
     got = torch.load(tmp_path / "mcore.pt")["logits"]
     diff = (got - expected).abs().max().item()
     assert diff <= LOGIT_ATOL, diff
+    # and back: the import recorded the source's config.json, so the export needs no --model-config and
+    # writes the same settings (break test: eps, positions and token ids fell back to defaults)
+    run([sys.executable, "-m", "unickpt", "export", str(tmp_path / "mcore"), str(tmp_path / "hf_again"), "--to",
+         "hf-llama"])
+    again, source = json.load(open(tmp_path / "hf_again" / "config.json")), cfg.to_dict()
+    rope = lambda d: d.get("rope_theta") or d["rope_parameters"]["rope_theta"]  # noqa: E731 (transformers 5)
+    assert rope(again) == rope(source) == CONFIG["rotary_base"]
+    for key in ("rms_norm_eps", "max_position_embeddings", "num_attention_heads", "num_key_value_heads",
+                "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size", "bos_token_id",
+                "eos_token_id", "tie_word_embeddings"):
+        assert again[key] == source[key], (key, again[key], source[key])
+    from safetensors.torch import load_file
+
+    back, original = load_file(tmp_path / "hf_again" / "model.safetensors"), model.state_dict()
+    assert sorted(back) == sorted(k for k in original if not k.endswith("rotary_emb.inv_freq"))
+    assert all(torch.equal(back[k], original[k]) for k in back)
+    bad = subprocess.run([sys.executable, "-m", "unickpt", "export", str(tmp_path / "mcore"), str(tmp_path / "bad"),
+                          "--to", "hf-llama", "--model-config", '{"num_attention_heads": 0}'],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "'num_attention_heads' must be a positive integer, got 0" in bad.stderr, bad.stderr
+    assert not os.path.exists(tmp_path / "bad")
