@@ -170,6 +170,8 @@ class Fuse(Rule):
         return [_fill(s, binding) for s in self.sources]
 
     def layout(self, name, shapes):
+        if not shapes:
+            raise self._error(name, "no sources to fuse")
         first = shapes[0]
         if not 0 <= self.dim < len(first):
             raise self._error(name, f"dim {self.dim} does not exist in the sources' shape {list(first)}")

@@ -101,6 +101,13 @@ def test_tier_options_validate():
                 {"memory_limit_bytes": 0}, {"peer_every": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             TierOptions(**bad).validated()
+    with pytest.raises(ValueError, match="memory_dir must name a directory"):
+        TierOptions(memory_dir="").validated()  # was silently /dev/shm/unickpt
+    import pathlib
+
+    # a Path is accepted and every memory_dir is made absolute (a relative one named the cwd at each use)
+    assert TierOptions(memory_dir=pathlib.Path("/tmp/x")).validated().memory_dir == "/tmp/x"
+    assert TierOptions(memory_dir="rel").validated().memory_dir == os.path.join(os.getcwd(), "rel")
     with pytest.raises(ValueError, match="unknown tier option"):
         TierOptions().with_(memory_evry=1)
     assert not TierOptions().enabled

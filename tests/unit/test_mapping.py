@@ -65,6 +65,7 @@ def test_split_sections_fuse_along_dim_1_and_an_identity_permutation():
 
 @pytest.mark.parametrize("rule,message", [
     (Fuse("t", ("a", "b"), 0), "the sources' shapes [[3, 4], [3, 2]] differ outside dim 0"),
+    (Fuse("t", (), 0), "no sources to fuse"),
     (Split("t", "a", 0, (1, 1), 0), "sections [1, 1] do not add up to the 3 elements along dim 0"),
     (Split("t", "a", 1, 3, 0), "4 elements along dim 1 do not split into 3 equal parts"),
     (Permute("t", "a", 0, 1, (0, 0, 1)), "order [0, 0, 1] is not a permutation of the 3 blocks"),
