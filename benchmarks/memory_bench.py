@@ -12,7 +12,7 @@ default options, or staging rings of ``POOL_MB``) of a ``MB`` state changed betw
 after saves 2, 3, 4, 5, 10, 25, 50 and the last, each once every save so far has committed. A save
 stages into one of two rings (default size: a quarter of physical memory, so a small state fits
 whole); the second ring's pages become resident the first time two saves overlap, a one-time step of
-min(state, ring) that the points after save 2 show; after that the curve is flat. DCP grows by about one checkpoint per save
+min(state, ring) that comes at whichever save first overlaps another (timing-dependent); apart from it the curve is flat. DCP grows by about one checkpoint per save
 (pytorch/pytorch#170163, #187996).
 ``sync ROOT MB POOL_MB``: one synchronous save of a ``MB`` state through staging rings of
 ``POOL_MB``, after a tiny warm-up save (imports, threads); VmRSS before it and VmHWM after (the peak),

@@ -34,10 +34,17 @@ def test_resident_memory_after_100_async_saves_equals_that_after_2(tmp_path):
 
 def test_async_resident_memory_is_bounded_by_the_two_staging_rings(tmp_path):
     # a 64 MiB state through two 32 MiB rings: the second ring's pages become resident the first time
-    # two saves overlap (a one-time step of at most one ring), and nothing grows after that
+    # two saves overlap, a one-time step of at most one ring that can come at any save (when depends on
+    # thread timing: on a loaded CI machine it came between saves 10 and 100); every other interval
+    # between the measured points is flat
     got = _run("async", str(tmp_path), "100", "64", "32")
+    points = sorted((int(k.split("_")[2]), v) for k, v in got.items() if k.startswith("rss_after_"))
+    assert [n for n, _ in points] == [2, 3, 4, 5, 10, 25, 50, 100], got
+    steps = sorted(b - a for (_, a), (_, b) in zip(points, points[1:]))
+    assert steps[-1] < 32 * MIB + 4 * MIB, got  # the one-time step: at most one ring
+    assert sum(steps[:-1]) < 4 * MIB, got  # the other 97 saves: no per-save growth (64 MiB per save in DCP)
     assert got["rss_after_100_kib"] - got["rss_after_2_kib"] < 32 * MIB + 4 * MIB, got
-    assert got["rss_after_100_kib"] - got["rss_after_10_kib"] < 4 * MIB, got  # 90 saves: no per-save growth
+
 
 def test_a_sync_save_peaks_at_its_staging_ring_not_the_state(tmp_path):
     got = _run("sync", str(tmp_path), "256", "32")  # a 256 MiB state through a 32 MiB ring
