@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# requirement would otherwise pull a multi-GB CUDA build.
 	$(VPY) -m pip install -q "torch==2.13.0" || $(VPY) -m pip install -q "torch>=2.4"
 	$(VPY) -m pip install -q -c constraints.txt -e ".[test,frameworks]"
+	# torchdata (Accelerate's stateful dataloader, used by tests) without its dependencies, so that
+	# it cannot replace the pinned torch
+	$(VPY) -m pip install -q --no-deps "torchdata==0.11.0"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -335,6 +335,13 @@ def _advance_iteration(acc: Any, engine: Any, loaded: int | None) -> None:
         acc.project_configuration.iteration = max(candidates) + 1
 
 
+def _foreign_behind(given: str) -> str | None:
+    """:func:`_foreign` of ``given`` unless it is a folder of this plugin's or Accelerate's own layout."""
+    if os.path.isdir(given) and _layout.folder_kind(given) != "none":
+        return None
+    return _foreign(given)
+
+
 def _foreign(path: str) -> str | None:
     """The committed unickpt checkpoint another framework wrote behind ``path`` (a Lightning pointer
     file, a DeepSpeed ``save_dir`` or tag, a megatron directory, a ``unickpt.save`` directory), or None."""
@@ -379,11 +386,12 @@ def _load_state(acc: Any, opts: Options, input_dir: str | None, load_kwargs: dic
     _wait_tracked()
     engine.wait()  # a pending save commits first: it may be the one being loaded
     if input_dir is not None:  # another framework's checkpoint (a file, or a folder without unickpt/)
+        # decided on process 0 for all: processes may name different folders (each its own temporary
+        # one), and a process whose own folder is empty must still follow process 0's path
         given = os.path.expanduser(os.fspath(input_dir))
-        if not os.path.isdir(given) or _layout.folder_kind(given) == "none":
-            foreign = engine.broadcast(_foreign(given) if engine.rank == 0 else None)
-            if foreign is not None:
-                return _load_foreign(acc, opts, foreign, kwargs)
+        foreign = engine.broadcast(_foreign_behind(given) if engine.rank == 0 else None)
+        if foreign is not None:
+            return _load_foreign(acc, opts, foreign, kwargs)
     input_dir = _input_dir(acc, input_dir, engine)
     kind = engine.broadcast(_layout.folder_kind(input_dir) if engine.rank == 0 else None)
     if kind == "none":
