@@ -334,6 +334,9 @@ class TierOptions:
         e = env()
         opts = replace(self, memory_dir=os.path.abspath(self.memory_dir or e.memory_dir or DEFAULT_MEMORY_DIR),
                        signals=tuple(self.signals))
+        if os.path.exists(opts.memory_dir) and not os.path.isdir(opts.memory_dir):
+            raise ValueError(f"memory_dir {opts.memory_dir!r} exists and is not a directory (the memory tiers keep "
+                             "a directory per run there)")
         if opts.node_id is None:
             import socket
 

@@ -91,10 +91,14 @@ class IndexReader:
             records of the slots asked for, then their block checksums.
         prefix: the directory (relative to the checkpoint) holding ``index/`` (metadata's
             ``index.prefix``; "" for the checkpoint itself).
+        slots: the number of records every index file holds (metadata's ``index.slots``); a header
+            that says otherwise is an IntegrityError. None: not checked.
     """
 
-    def __init__(self, storage: Any, path: str, *, whole_files: bool = False, prefix: str = ""):
+    def __init__(self, storage: Any, path: str, *, whole_files: bool = False, prefix: str = "",
+                 slots: int | None = None):
         self.storage, self.path, self.whole_files, self.prefix = storage, path, whole_files, prefix
+        self.slots = slots
         self._files: dict[int, bytes] = {}
 
     def rel(self, writer: int) -> str:
@@ -137,6 +141,9 @@ class IndexReader:
         if magic != INDEX_MAGIC or version != INDEX_VERSION or rsize != RECORD.size or who != writer:
             raise IntegrityError(f"{rel}: not a unickpt index file of rank {writer} (magic {magic!r}, version "
                                  f"{version}, record size {rsize}, rank {who})")
+        if self.slots is not None and count != self.slots:
+            raise IntegrityError(f"{rel}: its header says {count} records, metadata.json's index.slots "
+                                 f"{self.slots} (the index file is damaged)")
         lo, hi = min(slots), max(slots)
         if hi >= count:
             raise IntegrityError(f"{rel}: has {count} records, metadata.json names slot {hi}")

@@ -270,7 +270,8 @@ class CheckpointMetadata:
     def attach(self, storage: Any, path: str, *, whole_files: bool = True) -> "CheckpointMetadata":
         """Let split tensors list their chunks (:attr:`TensorMeta.chunks`) by reading the index files of
         the checkpoint at ``path`` (each read whole once: the tools' access pattern). Returns self."""
-        reader = IndexReader(storage, path, whole_files=whole_files, prefix=self.index.get("prefix", ""))
+        reader = IndexReader(storage, path, whole_files=whole_files, prefix=self.index.get("prefix", ""),
+                             slots=self.index.get("slots"))
 
         def resolve(t: TensorMeta) -> tuple[ChunkMeta, ...]:
             return tuple(split_chunk(t, k, reader.records(k, [t.slot])[t.slot], self.index)

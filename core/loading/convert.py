@@ -519,8 +519,12 @@ def build_view(meta: CheckpointMetadata, flat: Any, mapping: Mapping, *, strict:
             if master is not None and master.dtype == want_dtype:
                 used_role, res = MASTER, master
         if res is None:
+            looked = missing(role, name)
+            wrapped = [n for n in looked if normalize(n, wrap) != n]
+            hint = (f"; rule sources name stored tensors without wrapper prefixes: {wrapped[0]!r} is stored as "
+                    f"{normalize(wrapped[0], wrap)!r}") if wrapped else ""
             unserved.append(f"{fqn!r} ({role} of {name!r}; looked for "
-                            f"{_show([index.get((role, n), n) for n in missing(role, name)], 4)})")
+                            f"{_show([index.get((role, n), n) for n in looked], 4)}{hint})")
             continue
         names = [index[(used_role, s)] for s in res.sources]
         if res.dtype != want_dtype or res.shape != want_shape:

@@ -110,7 +110,8 @@ class ChunkTable:
             t = self.meta.tensors[fqn]
             if t.split is not None:
                 by_writer.setdefault(k, {}).setdefault(t.slot, []).append(cid)
-        reader = IndexReader(storage, path, prefix=self.meta.index.get("prefix", ""))
+        reader = IndexReader(storage, path, prefix=self.meta.index.get("prefix", ""),
+                             slots=self.meta.index.get("slots"))
         for writer, slots in sorted(by_writer.items()):
             records = reader.records(writer, sorted(slots))
             for slot, ids in slots.items():

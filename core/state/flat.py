@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..geometry import Box, ChunkSpec
-from . import codec
+from . import codec, sd_cache
 from .leaves import PerRank, Shard
 
 __all__ = ["TensorLeaf", "FlatState", "flatten", "saved_leaves", "dtensor_box", "check_leaf_fits",
@@ -286,7 +286,8 @@ def _flatten(state: dict, *, for_load: bool, allow_pickle: bool) -> FlatState:
     combined: dict[int, Any] = {}
     for o, m in owner.items():
         if m is not None and optims_of[id(m)] == 1:
-            combined[id(m)], combined[id(o)] = get_state_dict(m, o)
+            # a save reuses the last save's state dicts while nothing they depend on changed (sd_cache)
+            combined[id(m)], combined[id(o)] = get_state_dict(m, o) if for_load else sd_cache.state_dicts(m, o)
 
     def claim(fqn: str, path: tuple) -> None:
         if fqn in paths:
@@ -297,7 +298,9 @@ def _flatten(state: dict, *, for_load: bool, allow_pickle: bool) -> FlatState:
         """State dict of a module / optimizer / stateful object and how to load it back, else None."""
         if isinstance(x, nn.Module):
             sd = combined.pop(id(x), None)
-            return (get_model_state_dict(x) if sd is None else sd), lambda sd, m=x: set_model_state_dict(m, sd)
+            if sd is None:
+                sd = get_model_state_dict(x) if for_load else sd_cache.state_dicts(x, None)[0]
+            return sd, lambda sd, m=x: set_model_state_dict(m, sd)
         if isinstance(x, torch.optim.Optimizer):
             model = owner[x] if x in owner else _module_for(x, modules)  # one inside a stateful object
             if model is None:

@@ -136,14 +136,15 @@ def _ranks(by_world: dict) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     storage = open_storage(args.root)
-    if not storage.isdir(args.root):
-        raise UnickptError(f"{args.root!r} is not a directory")
-    entries = dict(list_checkpoints(args.root))
+    run, memory = _memory_tiers(args.root, args.memory_dir)
+    persisted = storage.isdir(args.root)  # absent before the first persistent save of a tiered run
+    if not persisted and not memory:
+        raise UnickptError(f"{args.root!r} is not a directory, and this node's memory tiers hold no copies of it")
+    entries = dict(list_checkpoints(args.root)) if persisted else {}
     latest = None
     latest_path = storage.join(args.root, "latest")
-    if storage.exists(latest_path):
+    if persisted and storage.exists(latest_path):
         latest = storage.read_bytes(latest_path).decode().strip()
-    run, memory = _memory_tiers(args.root, args.memory_dir)
     rows = []
     for step in sorted(set(entries) | set(memory)):
         name = f"step_{step}"

@@ -243,7 +243,43 @@ def flatten_matches_torch_state_dicts() -> dict:
     oa.step()
     ob.step()
     two = check({"model": model2, "oa": oa, "ob": ob}, reference(model2, {"oa": oa, "ob": ob}))
-    return {"one": one, "two": two}
+    return {"one": one, "two": two, "cache": _fsdp2_state_dict_cache(model, optim)}
+
+
+def _fsdp2_state_dict_cache(model, optim) -> dict:
+    """The save's state-dict cache on FSDP2 (its resharding pre-hook is the one hook it allows): after
+    a training step and a new learning rate, a hit equals torch's ``get_state_dict`` (fqns, local
+    shards, placements, the optimizer's own state dicts, param groups); FSDP2's unsharded
+    parameters (registered between forward and backward with ``reshard_after_forward=False``) miss."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from unickpt.state import sd_cache
+
+    def same(got, want) -> None:
+        (gm, go), (wm, wo) = got, want
+        assert list(gm) == list(wm)
+        for k, v in wm.items():
+            assert gm[k].to_local().data_ptr() == v.to_local().data_ptr() and gm[k].placements == v.placements, k
+        assert list(go["state"]) == list(wo["state"]) and all(go["state"][k] is wo["state"][k] for k in wo["state"])
+        assert go["param_groups"] == wo["param_groups"]
+
+    sd_cache.clear()
+    sd_cache.state_dicts(model, optim)
+    _train(model, optim, 1, seed=4)
+    optim.param_groups[0]["lr"] = 0.5
+    same(sd_cache.state_dicts(model, optim), get_state_dict(model, optim))
+    hits = sd_cache.cache_info()["hits"]
+    # unsharded between forward and backward: the registered parameters are others, so a miss (torch's
+    # call reshards them first through FSDP2's pre-hook), and then hits again once resharded
+    model.set_reshard_after_forward(False)
+    loss = model(torch.randn(4, 12)).sum()
+    unsharded = any(not hasattr(p, "placements") for p in model.parameters())
+    msd, _ = sd_cache.state_dicts(model, optim)
+    sharded = all(hasattr(v, "placements") for v in msd.values())
+    loss.backward()
+    optim.zero_grad()
+    info = sd_cache.cache_info()
+    return {"hits": hits, "after": info, "unsharded_seen": unsharded, "result_sharded": sharded}
 
 
 def save_load_after_rank_change(root: str, port: int) -> list[bool]:

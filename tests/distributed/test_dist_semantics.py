@@ -114,6 +114,9 @@ def test_flatten_equals_torch_state_dicts_on_fsdp2(pool):
     assert "optim.state.0.weight.exp_avg" in one and "model.3.bias" in one
     two = results[0]["two"]
     assert len([f for f in two if f.startswith("oa.")]) == 2 * 3 and len([f for f in two if f.startswith("ob.")]) == 4
+    for r in results:  # the state-dict cache of saves: a hit equals torch's call; unsharded parameters miss
+        assert r["cache"] == {"hits": 1, "after": {"hits": 1, "misses": 2, "uncacheable": 0},
+                              "unsharded_seen": True, "result_sharded": True}, r["cache"]
 
 
 def test_dtensor_boxes_follow_a_rank_change_in_process(tmp_path):

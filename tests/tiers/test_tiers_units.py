@@ -110,6 +110,9 @@ def test_tier_options_validate():
     assert TierOptions(memory_dir="rel").validated().memory_dir == os.path.join(os.getcwd(), "rel")
     with pytest.raises(ValueError, match="unknown tier option"):
         TierOptions().with_(memory_evry=1)
+    with tempfile.NamedTemporaryFile() as f:  # was a bare NotADirectoryError at the first memory save
+        with pytest.raises(ValueError, match=f"memory_dir {f.name!r} exists and is not a directory"):
+            TierOptions(memory_dir=f.name).validated()
     assert not TierOptions().enabled
 
 
@@ -272,3 +275,18 @@ def test_a_state_that_does_not_fit_is_refused_and_the_memory_copies_stay(tmp_pat
     assert torch.equal(state["w"], _state(5)["w"]) and state["step"] == 5
     assert again.last_load_stats.tier == "memory" and again.last_load_stats.bytes_by_tier == {"memory": 4256}
     again.close()
+
+
+def test_ls_before_the_first_persistent_save_lists_the_memory_copies(tmp_path, shm, capsys):
+    # a tiered run persists every 50 steps: before that its root does not exist, and `unickpt ls` failed
+    ck = _ckpt(tmp_path, shm, memory_every=1, persist_every=50, async_save=False)
+    ck.save(1, _state(1))
+    ck.wait()
+    ck.close()
+    root = str(tmp_path / "root")
+    assert not os.path.exists(root)
+    assert cli(["ls", root, "--memory-dir", shm, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["committed"], r["tiers"], r["memory"]) for r in rows] == [(1, None, ["memory"], {"1": [0]})]
+    assert cli(["ls", str(tmp_path / "nothing"), "--memory-dir", shm]) == 2
+    assert "is not a directory, and this node's memory tiers hold no copies of it" in capsys.readouterr().err

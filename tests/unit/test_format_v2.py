@@ -73,6 +73,10 @@ def test_index_file_records_read_by_range_and_whole(tmp_path):
         1: IndexRecord(0, 0, 0, "xxh3_64:0000000000000000"), 3: IndexRecord(0, 0, 0, "xxh3_64:0000000000000000")}
     with pytest.raises(IntegrityError, match="has 6 records, metadata.json names slot 6"):
         IndexReader(storage, str(tmp_path)).records(5, [6])
+    # a header whose record count is not metadata.json's index.slots (a flipped count byte)
+    assert IndexReader(storage, str(tmp_path), slots=6).records(5, [4]) == {4: records[4]}
+    with pytest.raises(IntegrityError, match=r"index/5.idx: its header says 6 records, metadata.json's index.slots 7"):
+        IndexReader(storage, str(tmp_path), slots=7).records(5, [4])
     with pytest.raises(IntegrityError, match="not a unickpt index file of rank 4"):
         shutil.copy(tmp_path / "index" / "5.idx", tmp_path / "index" / "4.idx")
         IndexReader(storage, str(tmp_path)).records(4, [0])

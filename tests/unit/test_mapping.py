@@ -151,6 +151,12 @@ def test_declared_rules_split_a_stored_tensor_and_a_model_only_target_leaves_the
     with pytest.raises(unickpt.StateMismatchError, match=r"6 tensor\(s\) of the state no stored tensor serves: "
                        r"'model.a.bias' \(param of 'a.bias'; looked for 'a.bias'\)"):
         unickpt.load(tmp_path / "c", {"model": _TwoHalves()}, mapping="auto")
+    # a rule naming a source with its wrapper prefix (as DeepSpeed or torch.compile store it) gets a hint
+    with pytest.raises(unickpt.StateMismatchError, match=r"'model.out.weight' \(param of 'out.weight'; looked for "
+                       r"'_orig_mod.1.weight'; rule sources name stored tensors without wrapper prefixes: "
+                       r"'_orig_mod.1.weight' is stored as '1.weight'\)"):
+        unickpt.load(tmp_path / "c", {"model": _TwoHalves()},
+                     mapping=Mapping(rules[:2] + [Rename("out.{w}", "_orig_mod.1.{w}")]))
 
 
 def test_what_cannot_move_raises_by_name_and_changes_nothing(tmp_path):

@@ -1,0 +1,153 @@
+"""The state dicts of a model and its optimizer, reused from one save to the next when nothing they
+depend on has changed.
+
+torch's ``get_state_dict(model, optimizer)`` costs 4-9 ms per call on the benchmarks' GPT (0.65 GB of
+state, 15 FSDP2 blocks, 2-core machine; ``benchmarks/save_load.py``'s ``call-parts`` record): half or
+more of a save's stall in overlap snapshot mode. Save after save it returns the same thing: views of
+the same parameter and buffer storages under the same fqns, and the optimizer's own per-parameter
+state dicts (the live dicts, not copies) under the same fqns; only the ``param_groups`` values (a
+learning rate a scheduler changed) are read anew. This module keeps the last result per (model,
+optimizer) and hands it out again while a fingerprint of what that result depends on is unchanged:
+
+* every module's registered parameters and buffers: object identity, and the address and shape of
+  their data (a DTensor's local shard), so a ``param.data = ...`` swap or FSDP2's unsharded
+  parameters (registered in place of the sharded ones between forward and backward) miss;
+* the optimizer's parameters (by group) and the identity of each parameter's state dict (a
+  ``load_state_dict`` or a new parameter group miss).
+
+It is never used (torch's call runs, every time) when what torch returns could differ for the same
+fingerprint: a module or optimizer with its own ``state_dict``, a module overriding
+``get_extra_state``, state-dict hooks other than FSDP2's resharding pre-hook (which only reshards, and
+resharded parameters are what the fingerprint holds), optimizer state-dict hooks, FSDP1 modules, or an
+optimizer without state yet (torch would initialise it). The cached tensors are views that share the
+parameters' storage, as torch's own result does; the cache keeps at most one result per (model,
+optimizer) and drops it with the model.
+
+Caller's thread of a save only (:func:`unickpt.state.flat.flatten` with ``for_load=False``); no
+collective. Thread-safe (one lock).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["state_dicts", "clear", "cache_info"]
+
+_LOCK = threading.Lock()
+_COUNTS = {"hits": 0, "misses": 0, "uncacheable": 0}
+_CACHE: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()  # model -> {id(optim): entry}
+_FSDP2_HOOK = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
+
+
+def clear() -> None:
+    """Forget every cached result and reset the counts (tests; a caller that changed a model in a
+    way the fingerprint does not see)."""
+    with _LOCK:
+        _CACHE.clear()
+        _COUNTS.update(hits=0, misses=0, uncacheable=0)
+
+
+def cache_info() -> dict[str, int]:
+    """``{"hits", "misses", "uncacheable"}``: calls of :func:`state_dicts` served from the cache,
+    served by torch's call and then cached (or not, when the call changed the fingerprint), and
+    served by torch's call because the fingerprint is None."""
+    with _LOCK:
+        return dict(_COUNTS)
+
+
+def state_dicts(model: nn.Module, optim: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
+    """``get_state_dict(model, optim)`` (``optim`` None: ``(get_model_state_dict(model), None)``), from
+    the cache when the fingerprint of ``model`` and ``optim`` equals that of the cached result.
+
+    Returns fresh outer dicts (the caller may keep them); the tensors and per-parameter optimizer
+    state dicts in them are shared with the model and optimizer, as in torch's result. Raises what
+    torch's call raises."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    key = _fingerprint(model, optim)
+    if key is not None:
+        with _LOCK:
+            entry = _CACHE.get(model, {}).get(id(optim))
+            hit = entry is not None and entry["optim"]() is optim and entry["key"] == key
+            _COUNTS["hits" if hit else "misses"] += 1
+        if hit:
+            return _copy(entry, optim)
+    else:
+        with _LOCK:
+            _COUNTS["uncacheable"] += 1
+    if optim is None:
+        msd, osd = get_model_state_dict(model), None
+    else:
+        msd, osd = get_state_dict(model, optim)
+    if key is not None and _fingerprint(model, optim) == key:  # torch's call changed nothing it depends on
+        entry = {"key": key, "optim": weakref.ref(optim) if optim is not None else (lambda: None),
+                 "msd": dict(msd), "state": None if osd is None else dict(osd["state"]),
+                 "groups": None if osd is None else [list(g["params"]) for g in osd["param_groups"]]}
+        if osd is None or len(entry["groups"]) == len(optim.param_groups):
+            with _LOCK:
+                _CACHE.setdefault(model, {})[id(optim)] = entry
+    return msd, osd
+
+
+def _copy(entry: dict, optim: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
+    msd = dict(entry["msd"])
+    if optim is None:
+        return msd, None
+    groups = []
+    for fqns, group in zip(entry["groups"], optim.param_groups):  # as Optimizer.state_dict packs them
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = list(fqns)
+        groups.append(packed)
+    return msd, {"state": dict(entry["state"]), "param_groups": groups}
+
+
+def _data_key(t: torch.Tensor) -> tuple:
+    local = getattr(t, "_local_tensor", t)  # a DTensor's local shard
+    return id(t), local.data_ptr(), local.shape, local.dtype
+
+
+def _fingerprint(model: nn.Module, optim: torch.optim.Optimizer | None) -> tuple | None:
+    """What the state dicts depend on, or None when they must come from torch's call every time."""
+    if not _module_cacheable(type(model)):
+        return None
+    parts: list = []
+    for m in model.modules():
+        cls = type(m)
+        if not _module_cacheable(cls) or m._state_dict_hooks or any(
+                getattr(h, "__qualname__", "") != _FSDP2_HOOK for h in m._state_dict_pre_hooks.values()):
+            return None
+        for t in m._parameters.values():
+            parts.append(None if t is None else _data_key(t))
+        for name, t in m._buffers.items():
+            parts.append(None if t is None or name in m._non_persistent_buffers_set else _data_key(t))
+        parts.append(len(m._modules))
+    if optim is None:
+        return tuple(parts)
+    if type(optim).state_dict is not torch.optim.Optimizer.state_dict or not optim.state \
+            or optim._optimizer_state_dict_pre_hooks or optim._optimizer_state_dict_post_hooks:
+        return None
+    state = optim.state
+    for group in optim.param_groups:
+        ps = group["params"]
+        parts.append(len(ps))
+        parts.extend((id(p), id(state.get(p))) for p in ps)
+    parts.append(len(state))
+    return tuple(parts)
+
+
+_CACHEABLE: dict[type, bool] = {}
+
+
+def _module_cacheable(cls: type) -> bool:
+    ok = _CACHEABLE.get(cls)
+    if ok is None:
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        ok = (cls.state_dict is nn.Module.state_dict and cls.get_extra_state is nn.Module.get_extra_state
+              and cls._save_to_state_dict is nn.Module._save_to_state_dict
+              and "torch.distributed.fsdp.fully_sharded_data_parallel" not in name)
+        _CACHEABLE[cls] = ok
+    return ok
