@@ -2,26 +2,32 @@
 depend on has changed.
 
 torch's ``get_state_dict(model, optimizer)`` costs 4-9 ms per call on the benchmarks' GPT (0.65 GB of
-state, 15 FSDP2 blocks, 2-core machine; ``benchmarks/save_load.py``'s ``call-parts`` record): half or
-more of a save's stall in overlap snapshot mode. Save after save it returns the same thing: views of
+state, 3 FSDP2 blocks of width 1024, 1-4 ranks on a 2-core machine; ``benchmarks/save_load.py``'s
+``call-parts`` record) and 14-19 ms on 15 blocks of width 512: half or more of a save's stall in
+overlap snapshot mode. Save after save it returns the same thing: views of
 the same parameter and buffer storages under the same fqns, and the optimizer's own per-parameter
 state dicts (the live dicts, not copies) under the same fqns; only the ``param_groups`` values (a
 learning rate a scheduler changed) are read anew. This module keeps the last result per (model,
 optimizer) and hands it out again while a fingerprint of what that result depends on is unchanged:
 
-* every module's registered parameters and buffers: object identity, and the address and shape of
-  their data (a DTensor's local shard), so a ``param.data = ...`` swap or FSDP2's unsharded
-  parameters (registered in place of the sharded ones between forward and backward) miss;
+* every module's registered parameters and buffers: name, object identity, and the address, shape,
+  strides, dtype and conjugate/negative bits of their data (a DTensor's local shard), so a
+  ``param.data = ...`` swap (a transposed view too) or FSDP2's unsharded parameters (registered in
+  place of the sharded ones between forward and backward) miss; every module's children's names
+  (a renamed child changes the fqns);
 * the optimizer's parameters (by group) and the identity of each parameter's state dict (a
   ``load_state_dict`` or a new parameter group miss).
 
 It is never used (torch's call runs, every time) when what torch returns could differ for the same
-fingerprint: a module or optimizer with its own ``state_dict``, a module overriding
-``get_extra_state``, state-dict hooks other than FSDP2's resharding pre-hook (which only reshards, and
-resharded parameters are what the fingerprint holds), optimizer state-dict hooks, FSDP1 modules, or an
-optimizer without state yet (torch would initialise it). The cached tensors are views that share the
-parameters' storage, as torch's own result does; the cache keeps at most one result per (model,
-optimizer) and drops it with the model.
+fingerprint: a module or optimizer whose ``state_dict`` (or a module whose ``_save_to_state_dict`` or
+``get_extra_state``) is not torch's own, on its class or on the instance, or torch's own patched after
+this module was imported; state-dict hooks other than FSDP2's resharding pre-hook (which only
+reshards, and resharded parameters are what the fingerprint holds); optimizer state-dict hooks;
+FSDP1 modules; an optimizer without state yet (torch would initialise it). The cached tensors are
+views that share the parameters' storage, as torch's own result does, so a cached result keeps the
+storage of a parameter replaced since alive until the model's next save; the cache keeps one result
+per (model, live optimizer), drops an optimizer's result once the optimizer is gone (at the model's
+next save), and all of a model's with the model.
 
 Caller's thread of a save only (:func:`unickpt.state.flat.flatten` with ``for_load=False``); no
 collective. Thread-safe (one lock).
@@ -71,7 +77,7 @@ def state_dicts(model: nn.Module, optim: torch.optim.Optimizer | None) -> tuple[
     key = _fingerprint(model, optim)
     if key is not None:
         with _LOCK:
-            entry = _CACHE.get(model, {}).get(id(optim))
+            entry = _CACHE.get(model, {}).get(id(optim) if optim is not None else None)
             hit = entry is not None and entry["optim"]() is optim and entry["key"] == key
             _COUNTS["hits" if hit else "misses"] += 1
         if hit:
@@ -89,7 +95,10 @@ def state_dicts(model: nn.Module, optim: torch.optim.Optimizer | None) -> tuple[
                  "groups": None if osd is None else [list(g["params"]) for g in osd["param_groups"]]}
         if osd is None or len(entry["groups"]) == len(optim.param_groups):
             with _LOCK:
-                _CACHE.setdefault(model, {})[id(optim)] = entry
+                entries = _CACHE.setdefault(model, {})
+                for k in [k for k, e in entries.items() if k is not None and e["optim"]() is None]:
+                    del entries[k]  # an optimizer that is gone (re-created): its entry goes with it
+                entries[id(optim) if optim is not None else None] = entry
     return msd, osd
 
 
@@ -107,27 +116,40 @@ def _copy(entry: dict, optim: torch.optim.Optimizer | None) -> tuple[dict, dict 
 
 def _data_key(t: torch.Tensor) -> tuple:
     local = getattr(t, "_local_tensor", t)  # a DTensor's local shard
-    return id(t), local.data_ptr(), local.shape, local.dtype
+    return id(t), local.data_ptr(), local.shape, local.stride(), local.dtype, local.is_conj(), local.is_neg()
+
+
+# torch's own implementations: a class or an instance with another one (or torch patched after this
+# module was imported) gets torch's call every time
+_TORCH_IMPLS = {"state_dict": nn.Module.state_dict, "_save_to_state_dict": nn.Module._save_to_state_dict,
+                "get_extra_state": nn.Module.get_extra_state}
+_OPTIM_STATE_DICT = torch.optim.Optimizer.state_dict
+
+
+def _module_cacheable(m: nn.Module) -> bool:
+    cls, own = type(m), m.__dict__
+    for name, impl in _TORCH_IMPLS.items():
+        if getattr(cls, name) is not impl or getattr(nn.Module, name) is not impl or name in own:
+            return False
+    return "torch.distributed.fsdp.fully_sharded_data_parallel" not in cls.__module__
 
 
 def _fingerprint(model: nn.Module, optim: torch.optim.Optimizer | None) -> tuple | None:
     """What the state dicts depend on, or None when they must come from torch's call every time."""
-    if not _module_cacheable(type(model)):
-        return None
     parts: list = []
     for m in model.modules():
-        cls = type(m)
-        if not _module_cacheable(cls) or m._state_dict_hooks or any(
+        if not _module_cacheable(m) or m._state_dict_hooks or any(
                 getattr(h, "__qualname__", "") != _FSDP2_HOOK for h in m._state_dict_pre_hooks.values()):
             return None
-        for t in m._parameters.values():
-            parts.append(None if t is None else _data_key(t))
+        parts.append(tuple(m._modules))  # the children's names (a renamed child changes the fqns)
+        for name, t in m._parameters.items():
+            parts.append((name, None if t is None else _data_key(t)))
         for name, t in m._buffers.items():
-            parts.append(None if t is None or name in m._non_persistent_buffers_set else _data_key(t))
-        parts.append(len(m._modules))
+            parts.append((name, None if t is None or name in m._non_persistent_buffers_set else _data_key(t)))
     if optim is None:
         return tuple(parts)
-    if type(optim).state_dict is not torch.optim.Optimizer.state_dict or not optim.state \
+    if type(optim).state_dict is not _OPTIM_STATE_DICT or torch.optim.Optimizer.state_dict is not _OPTIM_STATE_DICT \
+            or "state_dict" in optim.__dict__ or not optim.state \
             or optim._optimizer_state_dict_pre_hooks or optim._optimizer_state_dict_post_hooks:
         return None
     state = optim.state
@@ -137,17 +159,3 @@ def _fingerprint(model: nn.Module, optim: torch.optim.Optimizer | None) -> tuple
         parts.extend((id(p), id(state.get(p))) for p in ps)
     parts.append(len(state))
     return tuple(parts)
-
-
-_CACHEABLE: dict[type, bool] = {}
-
-
-def _module_cacheable(cls: type) -> bool:
-    ok = _CACHEABLE.get(cls)
-    if ok is None:
-        name = f"{cls.__module__}.{cls.__qualname__}"
-        ok = (cls.state_dict is nn.Module.state_dict and cls.get_extra_state is nn.Module.get_extra_state
-              and cls._save_to_state_dict is nn.Module._save_to_state_dict
-              and "torch.distributed.fsdp.fully_sharded_data_parallel" not in name)
-        _CACHEABLE[cls] = ok
-    return ok

@@ -150,3 +150,64 @@ def test_saves_through_the_cache_hold_the_state_at_each_call(tmp_path):
         weights, lr = want[step]
         assert all(torch.equal(v, m2.state_dict()[k]) for k, v in weights.items()), step
         assert o2.param_groups[0]["lr"] == lr
+
+
+def test_changes_found_by_the_break_test_miss():
+    # a new layout at the same address (a transposed view: Conv1D -> Linear), a renamed child, and
+    # state_dict replaced on an instance or on a class after the first save: each was served stale
+    def transposed(m, o):
+        with torch.no_grad():
+            m[0].weight.data = torch.arange(16.0).reshape(4, 4)
+        sd_cache.state_dicts(m, o)  # cached with this layout
+        m[0].weight.data = m[0].weight.data.t()  # same storage, same shape, other strides
+
+    def renamed(m, o):
+        m.add_module("head", m[1])
+        del m._modules["1"]
+
+    for name, change in {"transposed": transposed, "renamed": renamed}.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.randn(3, 4)).sum().backward()
+        optim.step()
+        sd_cache.clear()
+        sd_cache.state_dicts(model, optim)
+        change(model, optim)
+        _same(sd_cache.state_dicts(model, optim), get_state_dict(model, optim))
+        assert sd_cache.cache_info()["hits"] == 0, name
+    model, optim, _ = _trained()
+    sd_cache.clear()
+    sd_cache.state_dicts(model, optim)
+    model.state_dict = lambda *a, **k: {"x": torch.ones(1)}  # on the instance
+    assert list(sd_cache.state_dicts(model, optim)[0]) == ["x"]
+    del model.state_dict
+    optim.state_dict = lambda: {"state": {}, "param_groups": []}
+    assert sd_cache.cache_info() == {"hits": 0, "misses": 1, "uncacheable": 1}
+
+    class Mine(nn.Linear):
+        pass
+
+    mine = Mine(2, 2)
+    sd_cache.state_dicts(mine, None)
+    Mine.state_dict = lambda self, *a, **k: {"w": torch.full((1,), 9.0)}  # patched after the first save
+    assert list(sd_cache.state_dicts(mine, None)[0]) == ["w"]
+
+
+def test_a_re_created_optimizer_does_not_keep_its_predecessors_alive():
+    import gc
+    import weakref
+
+    model = nn.Linear(8, 8)
+    sd_cache.clear()
+    moments = []
+    for _ in range(6):
+        optim = torch.optim.Adam(model.parameters(), lr=0.01)
+        model(torch.randn(2, 8)).sum().backward()
+        optim.step()
+        sd_cache.state_dicts(model, optim)
+        moments.append(weakref.ref(optim.state[model.weight]["exp_avg"]))
+        del optim
+        gc.collect()
+    # the entries of optimizers that are gone go at the model's next save: one left of the last one
+    assert len(sd_cache._CACHE[model]) == 1 and sum(r() is not None for r in moments) == 1
