@@ -156,8 +156,10 @@ class LocalPlan:
             raise ValueError(f"malformed local plan ({type(e).__name__}: {e})") from e
 
     def signature(self) -> str:
-        """A digest of everything the global plan depends on (not the rank: plans are gathered in order)."""
-        text = repr((sorted(self.tensors.items()), sorted(self.aliases.items()), self.per_rank_fqns, self.guarded))
+        """A digest of everything the global plan depends on (not the rank: plans are gathered in order).
+        Specs enter as plain tuples: the dataclasses' own ``repr`` cost ~1.4 ms per save for 736 leaves."""
+        table = sorted((f, d, tuple(shape), _spec_key(s)) for f, (d, shape, s) in self.tensors.items())
+        text = repr((table, sorted(self.aliases.items()), self.per_rank_fqns, self.guarded))
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
@@ -213,6 +215,16 @@ class GlobalPlan:
         for c in self.chunks:
             out[c.writer] += c.nbytes
         return out
+
+
+def _spec_key(s: ChunkSpec | EvenSplit | None) -> tuple | None:
+    if s is None:
+        return None
+    if isinstance(s, Box):
+        return ("b", s.offsets, s.lengths)
+    if isinstance(s, EvenSplit):
+        return ("s", s.dim, s.parts)
+    return ("f", s.start, s.length)
 
 
 def make_local_plan(flat: FlatState, rank: int, guarded: frozenset | set = frozenset(),
