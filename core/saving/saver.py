@@ -161,6 +161,9 @@ class Saver:
                 if not progress.planned.is_set():
                     progress.finish_planning(error=e)
                 progress.finish_snapshot()
+            # not held while waiting for the next save: the snapshot references the caller's tensors,
+            # modules and optimizers (a model deleted after its last save would stay in memory)
+            del got, req, progress, snap, stats
 
     def _serve(self, req: SaveRequest, progress: SaveProgress, snap: Snapshot, stats: SaveStats) -> None:
         t0 = time.perf_counter()

@@ -473,3 +473,24 @@ def test_only_an_unstepped_optimizer_of_the_same_groups_replaces_a_target_state(
         unickpt.load(tmp_path / "ema", {"ema": EMA({"w": torch.ones(2)}), "plain": {"b": {}}})
     with pytest.raises(unickpt.StateMismatchError, match=r"'plain\.b\.x'"):
         unickpt.load(tmp_path / "ema", {"ema": EMA({}), "plain": {"b": {"x": torch.ones(2)}}})
+
+
+def test_a_finished_save_keeps_nothing_of_the_state_alive(tmp_path):
+    # the save thread held the last request (and its snapshot: the caller's modules, optimizers and
+    # tensors) while waiting for the next save: a model deleted after its last save stayed in memory
+    import gc
+    import weakref
+
+    model = torch.nn.Linear(64, 64)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(2, 64)).sum().backward()
+    optim.step()
+    unickpt.save(tmp_path / "sync", {"model": model, "optim": optim})
+    for mode in ("sync", "overlap"):
+        ck = unickpt.Checkpointer(tmp_path / mode, async_save=True, save_options=unickpt.SaveOptions(snapshot=mode))
+        ck.save(1, {"model": model, "optim": optim})
+        ck.wait()
+    refs = [weakref.ref(x) for x in (model, optim, model.weight, optim.state[model.weight]["exp_avg"])]
+    del model, optim
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * 4
