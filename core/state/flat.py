@@ -7,7 +7,9 @@ Leaves:
 - :class:`~unickpt.PerRank`: per-rank state, stored per rank;
 - ``nn.Module`` / ``torch.optim.Optimizer``: expanded with ``torch.distributed.checkpoint.state_dict``
   (``get_model_state_dict`` / ``get_optimizer_state_dict``; one ``get_state_dict`` call for a model
-  with exactly one optimizer in the state: the same dicts), so DDP and FSDP2 models work;
+  with exactly one optimizer in the state: the same dicts), so DDP and FSDP2 models work; a save
+  reuses the previous save's state dicts while nothing they depend on changed
+  (:mod:`unickpt.state.sd_cache`);
 - other objects with ``state_dict()`` / ``load_state_dict()``: expanded with ``state_dict()``;
 - anything else: a plain value (global: rank 0's copy is saved, every rank gets it back).
 
