@@ -494,3 +494,62 @@ def test_a_finished_save_keeps_nothing_of_the_state_alive(tmp_path):
     del model, optim
     gc.collect()
     assert [r() is None for r in refs] == [True] * 4
+
+
+@pytest.mark.parametrize("cls,amsgrad", [(torch.optim.AdamW, False), (torch.optim.Adam, True)])
+def test_loading_into_a_fresh_adam_equals_torchs_zero_step_path(tmp_path, cls, amsgrad, monkeypatch):
+    # a load creates an empty Adam's moments directly (flat.create_adam_state) instead of torch's
+    # zero-gradient lr=0 step (most of a restart's load call): the loaded state is the same, bitwise
+    from unickpt.state import flat
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+        model[1].bias.requires_grad_(False)  # a frozen parameter: no state, as after real steps
+        return model, cls(model.parameters(), lr=0.01, amsgrad=amsgrad, weight_decay=0.1)
+
+    model, optim = build()
+    for _ in range(3):
+        model(torch.randn(4, 6)).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    unickpt.save(tmp_path / "c", {"model": model, "optim": optim})
+    loaded = []
+    for fast in (True, False):
+        if not fast:
+            monkeypatch.setattr(flat, "create_adam_state", lambda o: False)
+        m2, o2 = build()
+        with torch.no_grad():
+            for p in m2.parameters():
+                p.fill_(7.0)
+        unickpt.load(tmp_path / "c", {"model": m2, "optim": o2})
+        loaded.append((m2, o2))
+    (mf, of), (mt, ot) = loaded
+    want = optim.state_dict()
+    for got in (of.state_dict(), ot.state_dict()):
+        assert got["param_groups"] == want["param_groups"]
+        assert sorted(got["state"]) == sorted(want["state"]) == [0, 1, 2]
+        for k, st in want["state"].items():
+            assert sorted(got["state"][k]) == sorted(st)
+            for name, t in st.items():
+                g = got["state"][k][name]
+                assert g.dtype == t.dtype and g.device == t.device and g.shape == t.shape and torch.equal(g, t), (k, name)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(model.parameters(), mf.parameters(), mt.parameters()))
+
+
+def test_create_adam_state_leaves_other_optimizers_to_torch():
+    from unickpt.state.flat import create_adam_state
+
+    lin = torch.nn.Linear(2, 2)
+    assert not create_adam_state(torch.optim.SGD(lin.parameters(), lr=0.1, momentum=0.9))
+    assert not create_adam_state(torch.optim.Adam(lin.parameters(), foreach=False, differentiable=True))
+    lin(torch.randn(1, 2)).sum().backward()
+    with_grads = torch.optim.AdamW(lin.parameters())
+    assert not create_adam_state(with_grads) and not with_grads.state  # torch's path leaves it empty too
+    lin.zero_grad(set_to_none=True)
+    fresh = torch.optim.AdamW(lin.parameters(), amsgrad=True)
+    assert create_adam_state(fresh) and not create_adam_state(fresh)  # once: then it has state
+    st = fresh.state[lin.weight]
+    assert sorted(st) == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"]
+    assert st["step"].dtype == torch.float32 and st["step"].dim() == 0 and float(st["step"]) == 0.0
+    assert not st["exp_avg"].any() and st["exp_avg"].shape == lin.weight.shape
