@@ -323,16 +323,15 @@ class TierOptions:
         """This, with ``memory_dir`` and ``node_id`` from the environment where None (``memory_dir`` made
         absolute: a path or a string); raises ValueError naming the field for a bad value (TypeError
         naming the field for a value of the wrong type)."""
-        if isinstance(self.memory_dir, os.PathLike):
-            self = replace(self, memory_dir=os.fspath(self.memory_dir))
         _check_types(self, {"memory_every": (int, type(None)), "persist_every": (int, type(None)), "peer": (bool,),
                             "peer_every": (int,), "memory_dir": (str, os.PathLike, type(None)), "memory_keep": (int,),
                             "memory_limit_bytes": (int, type(None)), "node_id": (str, type(None)),
                             "signals": (tuple, list)})
-        if self.memory_dir is not None and not self.memory_dir.strip():
+        memory_dir = None if self.memory_dir is None else os.fspath(self.memory_dir)
+        if memory_dir is not None and not memory_dir.strip():
             raise ValueError("memory_dir must name a directory (None: UNICKPT_MEMORY_DIR or /dev/shm/unickpt), got ''")
         e = env()
-        opts = replace(self, memory_dir=os.path.abspath(self.memory_dir or e.memory_dir or DEFAULT_MEMORY_DIR),
+        opts = replace(self, memory_dir=os.path.abspath(memory_dir or e.memory_dir or DEFAULT_MEMORY_DIR),
                        signals=tuple(self.signals))
         if os.path.exists(opts.memory_dir) and not os.path.isdir(opts.memory_dir):
             raise ValueError(f"memory_dir {opts.memory_dir!r} exists and is not a directory (the memory tiers keep "

@@ -129,13 +129,15 @@ _OPTIM_STATE_DICT = torch.optim.Optimizer.state_dict
 def _module_cacheable(m: nn.Module) -> bool:
     cls, own = type(m), m.__dict__
     for name, impl in _TORCH_IMPLS.items():
-        if getattr(cls, name) is not impl or getattr(nn.Module, name) is not impl or name in own:
+        if getattr(cls, name) is not impl or name in own:
             return False
     return "torch.distributed.fsdp.fully_sharded_data_parallel" not in cls.__module__
 
 
 def _fingerprint(model: nn.Module, optim: torch.optim.Optimizer | None) -> tuple | None:
     """What the state dicts depend on, or None when they must come from torch's call every time."""
+    if any(getattr(nn.Module, name) is not impl for name, impl in _TORCH_IMPLS.items()):
+        return None  # torch's own patched since this module was imported
     parts: list = []
     for m in model.modules():
         if not _module_cacheable(m) or m._state_dict_hooks or any(

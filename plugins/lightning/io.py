@@ -323,7 +323,8 @@ class UnickptCheckpointIO(CheckpointIO):
         """
         import torch.distributed as dist
 
-        if isinstance(path, str) and path.startswith(MEMORY_PREFIX):
+        fallback = isinstance(path, str) and path.startswith(MEMORY_PREFIX)
+        if fallback:
             restored = self._load_memory(map_location, weights_only)
             if restored is not None:
                 return restored
@@ -331,13 +332,11 @@ class UnickptCheckpointIO(CheckpointIO):
             if not path:
                 raise FileNotFoundError("Checkpoint file not found: no step to restore in the memory tiers "
                                         "and no fallback path (memory_ckpt_path(fallback))")
-            multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-            checkpoint = self._load(path, map_location, weights_only, ext.engine() if multi else _Solo())
-            if self.tiers is not None and isinstance(checkpoint.get("global_step"), int):
-                self.tiers.forget_newer(checkpoint["global_step"])  # memory copies of later steps: another future
-            return checkpoint
         multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        return self._load(path, map_location, weights_only, ext.engine() if multi else _Solo())
+        checkpoint = self._load(path, map_location, weights_only, ext.engine() if multi else _Solo())
+        if fallback and self.tiers is not None and isinstance(checkpoint.get("global_step"), int):
+            self.tiers.forget_newer(checkpoint["global_step"])  # memory copies of later steps: another future
+        return checkpoint
 
     # -- the checkpoint tiers (docs/tiers.md, :mod:`._tiers`) --------------------------------------------
     @staticmethod
