@@ -32,6 +32,7 @@ from torch import nn
 
 from ..geometry import Box, ChunkSpec
 from . import codec, sd_cache
+from .writeback import set_module_state
 from .leaves import PerRank, Shard
 
 __all__ = ["TensorLeaf", "FlatState", "flatten", "saved_leaves", "dtensor_box", "check_leaf_fits",
@@ -285,7 +286,8 @@ def flatten(state: dict, *, for_load: bool, allow_pickle: bool = False) -> FlatS
 
     Modules, optimizers and stateful objects are expanded with their state dicts; for a load the
     returned ``appliers`` push the loaded values back into them (call them after the tensors have
-    been filled in place). For a save, plain values that only pickle can store raise
+    been filled in place; a module's is skipped when it would only copy each tensor onto itself,
+    :mod:`unickpt.state.writeback`). For a save, plain values that only pickle can store raise
     UnsafeObjectError unless ``allow_pickle``. Raises ValueError on an fqn collision or an unsupported leaf.
 
     A save leaves every optimizer as it is (:func:`optimizers_untouched`: one that has not stepped
@@ -303,7 +305,6 @@ def _flatten(state: dict, *, for_load: bool, allow_pickle: bool) -> FlatState:
         get_model_state_dict,
         get_optimizer_state_dict,
         get_state_dict,
-        set_model_state_dict,
         set_optimizer_state_dict,
     )
 
@@ -339,7 +340,7 @@ def _flatten(state: dict, *, for_load: bool, allow_pickle: bool) -> FlatState:
             sd = combined.pop(id(x), None)
             if sd is None:
                 sd = get_model_state_dict(x) if for_load else sd_cache.state_dicts(x, None)[0]
-            return sd, lambda sd, m=x: set_model_state_dict(m, sd)
+            return sd, lambda sd, m=x: set_module_state(m, sd)  # skipped when it would copy onto itself
         if isinstance(x, torch.optim.Optimizer):
             model = owner[x] if x in owner else _module_for(x, modules)  # one inside a stateful object
             if model is None:

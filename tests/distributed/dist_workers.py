@@ -64,15 +64,37 @@ def fsdp2_save(path: str) -> dict:
 
 
 def fsdp2_load(path: str) -> dict:
-    model = _fsdp2(_mlp())
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
-    state = {"model": model, "optim": optim, "sched": sched, "step": 0}
-    unickpt.load(path, state)
-    full = _full_state(model, optim)
-    loss = _train(model, optim, 1, seed=50)  # the loaded optimizer state is usable
+    """Load, then one training step. The load writes FSDP2's local shards in place, so torch's
+    ``set_model_state_dict`` is skipped (unickpt.state.writeback); a second load with it forced
+    gives the same loss after the step."""
+    import torch.distributed.checkpoint.state_dict as dsd
+
+    from unickpt.state import writeback
+
+    real, calls = dsd.set_model_state_dict, []
+    dsd.set_model_state_dict = lambda m, sd, **kw: calls.append(m) or real(m, sd, **kw)
+    try:
+        losses = []
+        for forced in (False, True):
+            model = _fsdp2(_mlp())
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
+            state = {"model": model, "optim": optim, "sched": sched, "step": 0}
+            writes_back = writeback.writes_back
+            if forced:
+                writeback.writes_back = lambda m, sd: True
+            try:
+                unickpt.load(path, state)
+            finally:
+                writeback.writes_back = writes_back
+            if not forced:
+                full, skipped = _full_state(model, optim), not calls
+            losses.append(_train(model, optim, 1, seed=50))  # the loaded optimizer state is usable
+    finally:
+        dsd.set_model_state_dict = real
     return {"full": full if dist.get_rank() == 0 else None, "step": state["step"],
-            "last_epoch": sched.last_epoch, "lr": optim.param_groups[0]["lr"], "loss": loss}
+            "last_epoch": sched.last_epoch, "lr": optim.param_groups[0]["lr"], "loss": losses[0],
+            "skipped_write_back": skipped, "loss_written_back": losses[1], "forced_calls": len(calls)}
 
 
 def ddp_save(path: str) -> None:
