@@ -21,16 +21,23 @@ memory copy of the parameters (22 MB per rank there) on every later load.
 * every tensor of the state dict is a view of exactly the memory of one of the module's registered
   parameters or persistent buffers (same device, address, shape, strides, dtype; a DTensor's local
   shard), so a state dict that holds copies (CPU offload, a full state dict, a user's hook) is
-  written back.
+  written back;
+* every tensor of the state dict is of torch's own class (a DTensor of one), not a subclass that may
+  act on ``copy_``; none is an inference tensor outside inference mode (torch's ``copy_`` raises);
+  ``torch.__future__``'s swap-on-conversion is off (``load_state_dict`` would swap the parameters).
 
 Then the only effect of torch's call that remains is the autograd version counter of each tensor,
-which :func:`set_module_state` increments as ``copy_`` would (a graph that saved a parameter before
-the load then fails at backward, as it would have). Otherwise torch's call runs, with every hook.
+which :func:`set_module_state` increments as ``copy_`` would (a DTensor's own counter and its local
+shard's: a graph that saved a parameter before the load then fails at backward, as it would have).
+Otherwise torch's call runs, with every hook. (Cases checked against torch's call by a break test:
+tied and shared parameters, parametrizations, weight norm, ``torch.compile``, DataParallel, DDP,
+FSDP2 uneven and between forward and backward, views of one flat tensor, zero-size, bf16/fp16.)
 
 Caller's thread of a load (the appliers of :func:`unickpt.state.flat.flatten`); no collective.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -52,8 +59,10 @@ def set_module_state(model: nn.Module, state_dict: dict) -> None:
     filled in place by a load) into ``model``: ``set_model_state_dict(model, state_dict)``, skipped
     when :func:`writes_back` is False. Raises what torch's call raises."""
     if not writes_back(model, state_dict):
-        for t in state_dict.values():
-            torch.autograd.graph.increment_version(getattr(t, "_local_tensor", t))
+        for t in state_dict.values():  # as copy_ would: the DTensor's own counter (what autograd saved) and its shard's
+            torch.autograd.graph.increment_version(t)
+            if type(t) is not torch.Tensor:
+                torch.autograd.graph.increment_version(t._local_tensor)
         return
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -64,6 +73,10 @@ def writes_back(model: nn.Module, state_dict: dict) -> bool:
     """Whether loading ``state_dict`` into ``model`` does anything beyond copying each tensor onto its
     own memory (see the module docstring); True whenever that cannot be shown."""
     if any(getattr(nn.Module, name) is not impl for name, impl in _TORCH_IMPLS.items()):
+        return True
+    if torch.__future__.get_swap_module_params_on_conversion():  # torch's call swaps the parameters
+        return True
+    if not all(_plain(t) for t in state_dict.values()):
         return True
     own: set[tuple] = set()
     for m in model.modules():
@@ -82,7 +95,21 @@ def writes_back(model: nn.Module, state_dict: dict) -> bool:
         for name, t in m._buffers.items():
             if t is not None and name not in m._non_persistent_buffers_set:
                 own.add(_memory_key(t))
-    return not all(isinstance(t, torch.Tensor) and _memory_key(t) in own for t in state_dict.values())
+    return not all(_memory_key(t) in own for t in state_dict.values())
+
+
+def _plain(t: Any) -> bool:
+    """A dense tensor of torch's own class (or a DTensor of one) that torch's ``copy_`` could write
+    outside inference mode: a tensor subclass may act on ``copy_`` (``__torch_function__``), and an
+    inference tensor written outside inference mode is an error torch's call raises."""
+    if type(t) is not torch.Tensor:
+        dtensor = sys.modules.get("torch.distributed.tensor")
+        if dtensor is None or type(t) is not dtensor.DTensor:
+            return False
+        t = t._local_tensor
+        if type(t) is not torch.Tensor:
+            return False
+    return not t.is_inference() or torch.is_inference_mode_enabled()
 
 
 def _qualname(hook: Any) -> str:

@@ -83,18 +83,26 @@ def fsdp2_load(path: str) -> dict:
             writes_back = writeback.writes_back
             if forced:
                 writeback.writes_back = lambda m, sd: True
+            penalty = sum(p.pow(2).sum() for p in model.parameters())  # a graph that saved the DTensors
             try:
                 unickpt.load(path, state)
             finally:
                 writeback.writes_back = writes_back
+            try:
+                penalty.backward()
+                stale = "backward ran"
+            except RuntimeError as e:  # as after torch's copy_: the parameters changed under the graph
+                stale = "modified by an inplace operation" in str(e)
+            model.zero_grad(set_to_none=True)
             if not forced:
-                full, skipped = _full_state(model, optim), not calls
+                full, skipped, stale_skipped = _full_state(model, optim), not calls, stale
             losses.append(_train(model, optim, 1, seed=50))  # the loaded optimizer state is usable
     finally:
         dsd.set_model_state_dict = real
     return {"full": full if dist.get_rank() == 0 else None, "step": state["step"],
             "last_epoch": sched.last_epoch, "lr": optim.param_groups[0]["lr"], "loss": losses[0],
-            "skipped_write_back": skipped, "loss_written_back": losses[1], "forced_calls": len(calls)}
+            "skipped_write_back": skipped, "loss_written_back": losses[1], "forced_calls": len(calls),
+            "stale_graph_fails": [stale_skipped, stale]}
 
 
 def ddp_save(path: str) -> None:

@@ -32,6 +32,7 @@ def test_fsdp2_model_and_optimizer_reshard_bitwise(pool, fsdp2_ckpt, m):
         assert r["loss"] == results[0]["loss"]  # all ranks agree after a step on the loaded state
         # torch's write-back was skipped (the shards were written in place), and forcing it changes nothing
         assert r["skipped_write_back"] and r["forced_calls"] == 1 and r["loss_written_back"] == r["loss"]
+        assert r["stale_graph_fails"] == [True, True]  # a graph over the parameters from before the load
 
 
 def test_ddp_save_loads_into_plain_model(pool, tmp_path):

@@ -118,3 +118,34 @@ def test_writes_back_whenever_skipping_cannot_be_shown(monkeypatch):
     other = _model()
     monkeypatch.setattr(nn.Module, "_load_from_state_dict", lambda *a, **k: None)  # torch patched
     assert writeback.writes_back(other, other.state_dict()) is True
+
+
+class _Tracked(torch.Tensor):
+    """A ``__torch_function__`` subclass that acts on ``copy_`` (re-quantizing, invalidating a cache)."""
+
+    copies: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            cls.copies.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_what_torchs_copy_would_act_on_or_refuse_gets_torchs_call(tmp_path, torch_calls, monkeypatch):
+    unickpt.save(tmp_path / "c", {"model": nn.Linear(4, 2)})
+    with torch.inference_mode():  # an inference tensor written outside inference mode: torch raises
+        frozen = nn.Linear(4, 2)
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        unickpt.load(tmp_path / "c", {"model": frozen})
+
+    tracked = nn.Linear(4, 2)
+    tracked.weight = nn.Parameter(tracked.weight.detach().as_subclass(_Tracked))
+    _Tracked.copies.clear()
+    unickpt.load(tmp_path / "c", {"model": tracked})
+    assert _Tracked.copies == ["copy_"]  # the subclass saw torch's copy_
+
+    monkeypatch.setattr(torch.__future__, "get_swap_module_params_on_conversion", lambda: True)
+    plain = nn.Linear(4, 2)
+    assert writeback.writes_back(plain, plain.state_dict()) is True
+    assert torch_calls == [frozen, tracked]
