@@ -14,7 +14,8 @@ from ..format.dtypes import dtype_to_str
 from ..format.metadata import TensorMeta
 from ..state import codec
 
-__all__ = ["check_target", "check_memory", "take_saved_empty_optimizer_states", "check_keys"]
+__all__ = ["check_target", "check_memory", "take_saved_empty_optimizer_states", "drop_states_the_checkpoint_lacks",
+           "check_keys"]
 
 
 def check_target(leaf: Any, tmeta: TensorMeta) -> None:
@@ -66,6 +67,36 @@ def take_saved_empty_optimizer_states(flat, saved_objects: dict) -> None:
             for name in [n for n in entries if n.startswith(inner)]:
                 del entries[name]
         flat.objects[fqn] = (holder, key)
+
+
+def drop_states_the_checkpoint_lacks(flat, saved_tensors: set, saved_per_rank: set, saved_objects: dict) -> None:
+    """A parameter that had no gradient at any step before the save has no optimizer state in the
+    checkpoint (torch's optimizers create a parameter's state at its first step with a gradient: an
+    unused layer, an expert that got no tokens), while a load into an optimizer without state has
+    created state for every parameter, to have tensors to load into. For such an optimizer
+    (``flat.created_states``), a parameter none of whose state entries the checkpoint holds gets no
+    state, exactly what ``optimizer.load_state_dict`` of the saved state dict gives; its entries
+    leave the load's targets. An optimizer that had state before the load, or a parameter with
+    some of its entries saved, is left to the key check (StateMismatchError names what is missing)."""
+    saved = saved_tensors | saved_per_rank | set(saved_objects)
+    for fqn in flat.created_states:
+        if fqn in flat.objects:  # replaced whole by its saved empty state (take_saved_empty_optimizer_states)
+            continue
+        holder, key = flat.optimizer_states[fqn]
+        state = holder[key].get("state")
+        if not isinstance(state, dict):
+            continue
+        for pfqn, entries in list(state.items()):
+            if not isinstance(entries, dict) or any(isinstance(v, (dict, list, tuple)) for v in entries.values()):
+                continue
+            names = [f"{fqn}.state.{pfqn}.{k}" for k in entries]
+            if any(n in saved for n in names):
+                continue
+            for n in names:
+                for table in (flat.tensors, flat.objects, flat.per_rank, flat.aliases):
+                    table.pop(n, None)
+            del state[pfqn]
+            flat.dropped_states.add(fqn)
 
 
 def _groups_match(saved: Any, target: Any) -> bool:

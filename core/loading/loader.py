@@ -39,7 +39,8 @@ from ..state import codec
 from ..state.flat import flatten, saved_leaves
 from ..storage import open_storage
 from . import convert, dcp
-from .checks import check_keys, check_memory, check_target, take_saved_empty_optimizer_states
+from .checks import (check_keys, check_memory, check_target, drop_states_the_checkpoint_lacks,
+                     take_saved_empty_optimizer_states)
 from .exchange import read_and_exchange
 from .stats import LoadStats
 from .targets import ChunkTable, TargetReads, split_needs
@@ -174,6 +175,7 @@ class Loader:
         saved_tensors = set(meta.tensors) | set(meta.aliases)
         saved_per_rank = set(meta.per_rank.get("fqns", []))
         take_saved_empty_optimizer_states(flat, saved_objects)
+        drop_states_the_checkpoint_lacks(flat, saved_tensors, saved_per_rank, saved_objects)
         check_keys(flat, saved_tensors, saved_per_rank, saved_objects, strict, path)
         # Validate and decode everything before the first byte lands in the caller's state, so a
         # mismatch or an unsafe object leaves the state untouched.

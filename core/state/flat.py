@@ -65,6 +65,10 @@ class FlatState:
     optimizer_states: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # loads: fqn -> (holder, key)
     # of each optimizer state dict ({"state", "param_groups"}) with tensors, so that one saved before
     # its optimizer's first step (``state == {}``) can replace it whole (see loading)
+    created_states: set[str] = field(default_factory=set)  # loads: those of optimizer_states whose
+    # optimizer had no state before the load (created to have tensors to load into; see loading.checks)
+    dropped_states: set[str] = field(default_factory=set)  # loads: those of created_states that lost a
+    # parameter's state the checkpoint lacks (torch's strict optimizer load would refuse the rest)
 
 
 _UNTOUCHED = threading.local()
@@ -302,6 +306,7 @@ def flatten(state: dict, *, for_load: bool, allow_pickle: bool = False) -> FlatS
 
 def _flatten(state: dict, *, for_load: bool, allow_pickle: bool) -> FlatState:
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
         get_state_dict,
@@ -318,6 +323,7 @@ def _flatten(state: dict, *, for_load: bool, allow_pickle: bool) -> FlatState:
     paths: dict[str, tuple] = {}
     # a module with exactly one optimizer: both state dicts from one ``get_state_dict`` call (it
     # verifies the model once; two separate calls cost ~1.5x as much, all of it in the caller's stall)
+    had_state = {id(o): bool(o.state) for o in optimizers}
     if for_load:  # the moments to load into, without torch's zero step (create_adam_state)
         for o in optimizers:
             create_adam_state(o)
@@ -348,7 +354,8 @@ def _flatten(state: dict, *, for_load: bool, allow_pickle: bool) -> FlatState:
                                  "put the model in the same state dict as its optimizer")
             sd = combined.pop(id(x), None)
             return ((get_optimizer_state_dict(model, x) if sd is None else sd),
-                    lambda sd, m=model, o=x: set_optimizer_state_dict(m, o, sd))
+                    lambda sd, m=model, o=x, f=fqn: set_optimizer_state_dict(
+                        m, o, sd, options=StateDictOptions(strict=False) if f in out.dropped_states else None))
         if not isinstance(x, (PerRank, torch.Tensor, Shard)) and _is_stateful(x):
             return x.state_dict(), x.load_state_dict
         return None
@@ -377,6 +384,8 @@ def _flatten(state: dict, *, for_load: bool, allow_pickle: bool) -> FlatState:
             holder = [sd]  # loaded plain values replace holder[0] itself when sd is not a container
             if for_load and path and isinstance(sd, dict) and sd.keys() == {"state", "param_groups"}:
                 out.optimizer_states[fqn] = (holder, 0)
+                if isinstance(x, torch.optim.Optimizer) and not had_state.get(id(x), True):
+                    out.created_states.add(fqn)
             enc = walk(sd, path, fqn, holder, 0)
             if for_load:
                 out.appliers.append(lambda h=holder, f=load_fn: f(h[0]))

@@ -553,3 +553,52 @@ def test_create_adam_state_leaves_other_optimizers_to_torch():
     assert sorted(st) == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"]
     assert st["step"].dtype == torch.float32 and st["step"].dim() == 0 and float(st["step"]) == 0.0
     assert not st["exp_avg"].any() and st["exp_avg"].shape == lin.weight.shape
+
+
+class _WithUnused(torch.nn.Module):
+    """A layer that gets no gradient (an unused head, an expert that got no tokens)."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(4, 3)
+        self.unused = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.parametrize("make_optim", [lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                                        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9)],
+                         ids=["adamw", "sgd-momentum"])
+def test_parameters_without_optimizer_state_load_into_a_fresh_optimizer(tmp_path, make_optim):
+    torch.manual_seed(0)
+    model = _WithUnused()
+    optim = make_optim(model.parameters())
+    model(torch.randn(5, 4)).pow(2).sum().backward()
+    optim.step()
+    optim.zero_grad()
+    assert len(optim.state) == 2  # the unused layer's parameters have no state
+    unickpt.save(tmp_path / "c", {"model": model, "optim": optim})
+
+    fresh = _WithUnused()
+    fresh_optim = make_optim(fresh.parameters())
+    unickpt.load(tmp_path / "c", {"model": fresh, "optim": fresh_optim})
+    want, got = optim.state_dict(), fresh_optim.state_dict()
+    assert sorted(got["state"]) == sorted(want["state"]) == [0, 1]  # as optimizer.load_state_dict gives
+    for i, entries in want["state"].items():
+        assert got["state"][i].keys() == entries.keys()
+        assert all(torch.equal(got["state"][i][k], v) for k, v in entries.items())
+    # and training goes on as it would have: one more step on both, bitwise equal
+    x = torch.randn(5, 4)
+    for m, o in ((model, optim), (fresh, fresh_optim)):
+        m(x).pow(2).sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+
+    # an optimizer that already had state for them: the checkpoint lacks it, and strict says so
+    trained = _WithUnused()
+    trained_optim = make_optim(trained.parameters())
+    (trained.used(torch.randn(2, 4)).sum() + trained.unused(torch.randn(2, 4)).sum()).backward()
+    trained_optim.step()
+    with pytest.raises(unickpt.StateMismatchError, match="optim.state.unused.weight"):
+        unickpt.load(tmp_path / "c", {"model": trained, "optim": trained_optim})
