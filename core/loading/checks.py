@@ -15,7 +15,7 @@ from ..format.metadata import TensorMeta
 from ..state import codec
 
 __all__ = ["check_target", "check_memory", "take_saved_empty_optimizer_states", "drop_states_the_checkpoint_lacks",
-           "check_keys"]
+           "check_param_groups", "check_keys"]
 
 
 def check_target(leaf: Any, tmeta: TensorMeta) -> None:
@@ -76,18 +76,27 @@ def drop_states_the_checkpoint_lacks(flat, saved_tensors: set, saved_per_rank: s
     created state for every parameter, to have tensors to load into. For such an optimizer
     (``flat.created_states``), a parameter none of whose state entries the checkpoint holds gets no
     state, exactly what ``optimizer.load_state_dict`` of the saved state dict gives; its entries
-    leave the load's targets. An optimizer that had state before the load, or a parameter with
-    some of its entries saved, is left to the key check (StateMismatchError names what is missing)."""
+    leave the load's targets. Only parameters that the saved ``param_groups`` list (the saved
+    optimizer held them); an optimizer that had state before the load, or a parameter with some of
+    its entries saved, is left to the key check (StateMismatchError names what is missing)."""
     saved = saved_tensors | saved_per_rank | set(saved_objects)
     for fqn in flat.created_states:
         if fqn in flat.objects:  # replaced whole by its saved empty state (take_saved_empty_optimizer_states)
             continue
         holder, key = flat.optimizer_states[fqn]
         state = holder[key].get("state")
+        # only parameters the saved optimizer held (its param groups name them): one it never held is
+        # another optimizer's checkpoint, which the key check reports
+        try:
+            groups = codec.decode(saved_objects[f"{fqn}.param_groups"])
+            held = {str(p) for g in groups for p in g["params"]}
+        except Exception:  # absent or not a list of groups: nothing is dropped, the key check reports
+            continue
         if not isinstance(state, dict):
             continue
         for pfqn, entries in list(state.items()):
-            if not isinstance(entries, dict) or any(isinstance(v, (dict, list, tuple)) for v in entries.values()):
+            if str(pfqn) not in held or not isinstance(entries, dict) \
+                    or any(isinstance(v, (dict, list, tuple)) for v in entries.values()):
                 continue
             names = [f"{fqn}.state.{pfqn}.{k}" for k in entries]
             if any(n in saved for n in names):
@@ -96,7 +105,30 @@ def drop_states_the_checkpoint_lacks(flat, saved_tensors: set, saved_per_rank: s
                 for table in (flat.tensors, flat.objects, flat.per_rank, flat.aliases):
                     table.pop(n, None)
             del state[pfqn]
-            flat.dropped_states.add(fqn)
+
+
+def check_param_groups(flat, saved_objects: dict, path: str) -> None:
+    """Each optimizer's saved param groups hold the same parameters as the state's, group by group
+    (as many groups; the same parameter fqns in each, in any order). torch's
+    ``optimizer.load_state_dict`` refuses other groups (ValueError); torch's
+    ``set_optimizer_state_dict`` would map them by name and leave a group without its
+    hyper-parameters. Raises StateMismatchError naming the optimizer and both groupings."""
+    for fqn, (holder, key) in flat.optimizer_states.items():
+        name = f"{fqn}.param_groups"
+        if name not in saved_objects or not isinstance(holder[key], dict):
+            continue
+        try:
+            saved = [sorted(map(str, g["params"])) for g in codec.decode(saved_objects[name])]
+            target = [sorted(map(str, g["params"])) for g in holder[key]["param_groups"]]
+        except Exception:  # not groups of params: the object decoding and the key check report it
+            continue
+        if saved != target:
+            def show(groups: list) -> str:
+                return "; ".join(f"group {i}: {', '.join(ps[:6])}{' ...' if len(ps) > 6 else ''} ({len(ps)})"
+                                 for i, ps in enumerate(groups))
+            raise StateMismatchError(f"{path!r}: {fqn!r}: the checkpoint's optimizer has {len(saved)} param "
+                                     f"group(s) [{show(saved)}], the state's has {len(target)} [{show(target)}]; "
+                                     "build the optimizer with the same parameter groups")
 
 
 def _groups_match(saved: Any, target: Any) -> bool:

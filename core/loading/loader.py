@@ -39,7 +39,7 @@ from ..state import codec
 from ..state.flat import flatten, saved_leaves
 from ..storage import open_storage
 from . import convert, dcp
-from .checks import (check_keys, check_memory, check_target, drop_states_the_checkpoint_lacks,
+from .checks import (check_keys, check_memory, check_param_groups, check_target, drop_states_the_checkpoint_lacks,
                      take_saved_empty_optimizer_states)
 from .exchange import read_and_exchange
 from .stats import LoadStats
@@ -174,6 +174,7 @@ class Loader:
         _, _, saved_objects = saved_leaves(meta.state_tree)
         saved_tensors = set(meta.tensors) | set(meta.aliases)
         saved_per_rank = set(meta.per_rank.get("fqns", []))
+        check_param_groups(flat, saved_objects, path)
         take_saved_empty_optimizer_states(flat, saved_objects)
         drop_states_the_checkpoint_lacks(flat, saved_tensors, saved_per_rank, saved_objects)
         check_keys(flat, saved_tensors, saved_per_rank, saved_objects, strict, path)

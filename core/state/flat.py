@@ -67,8 +67,6 @@ class FlatState:
     # its optimizer's first step (``state == {}``) can replace it whole (see loading)
     created_states: set[str] = field(default_factory=set)  # loads: those of optimizer_states whose
     # optimizer had no state before the load (created to have tensors to load into; see loading.checks)
-    dropped_states: set[str] = field(default_factory=set)  # loads: those of created_states that lost a
-    # parameter's state the checkpoint lacks (torch's strict optimizer load would refuse the rest)
 
 
 _UNTOUCHED = threading.local()
@@ -354,8 +352,11 @@ def _flatten(state: dict, *, for_load: bool, allow_pickle: bool) -> FlatState:
                                  "put the model in the same state dict as its optimizer")
             sd = combined.pop(id(x), None)
             return ((get_optimizer_state_dict(model, x) if sd is None else sd),
-                    lambda sd, m=model, o=x, f=fqn: set_optimizer_state_dict(
-                        m, o, sd, options=StateDictOptions(strict=False) if f in out.dropped_states else None))
+                    # not strict: the load's key check has compared the state with the checkpoint;
+                    # torch's would also refuse a parameter without saved state, which
+                    # optimizer.load_state_dict accepts (one that never had a gradient)
+                    lambda sd, m=model, o=x: set_optimizer_state_dict(
+                        m, o, sd, options=StateDictOptions(strict=False)))
         if not isinstance(x, (PerRank, torch.Tensor, Shard)) and _is_stateful(x):
             return x.state_dict(), x.load_state_dict
         return None

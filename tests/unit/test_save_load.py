@@ -602,3 +602,34 @@ def test_parameters_without_optimizer_state_load_into_a_fresh_optimizer(tmp_path
     trained_optim.step()
     with pytest.raises(unickpt.StateMismatchError, match="optim.state.unused.weight"):
         unickpt.load(tmp_path / "c", {"model": trained, "optim": trained_optim})
+
+
+def test_a_second_load_and_mismatched_param_groups(tmp_path):
+    torch.manual_seed(0)
+    model = _WithUnused()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(5, 4)).pow(2).sum().backward()
+    optim.step()
+    unickpt.save(tmp_path / "c", {"model": model, "optim": optim})
+    # loading twice into the same optimizer (it has state for the used layer only): as load_state_dict
+    fresh = _WithUnused()
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    for _ in range(2):
+        unickpt.load(tmp_path / "c", {"model": fresh, "optim": fresh_optim})
+        assert sorted(fresh_optim.state_dict()["state"]) == [0, 1]
+        assert all(torch.equal(fresh_optim.state_dict()["state"][i]["exp_avg"], optim.state_dict()["state"][i]["exp_avg"])
+                   for i in (0, 1))
+
+    # an optimizer over other parameters, or other groups: refused, naming both groupings (torch: ValueError)
+    other = _WithUnused()
+    groups = [{"params": other.used.parameters()}, {"params": other.unused.parameters(), "lr": 0.5}]
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(unickpt.StateMismatchError,
+                       match=r"'optim': the checkpoint's optimizer has 1 param group\(s\) \[group 0: unused.bias, "
+                             r"unused.weight, used.bias, used.weight \(4\)\], the state's has 2 \[group 0: used.bias, "
+                             r"used.weight \(2\); group 1: unused.bias, unused.weight \(2\)\]"):
+        unickpt.load(tmp_path / "c", {"model": other, "optim": torch.optim.AdamW(groups, lr=1e-2)})
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())  # refused before any byte landed
+    subset = torch.optim.AdamW(other.used.parameters(), lr=1e-2)
+    with pytest.raises(unickpt.StateMismatchError, match="param group"):
+        unickpt.load(tmp_path / "c", {"model": other, "optim": subset})
