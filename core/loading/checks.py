@@ -87,11 +87,10 @@ def drop_states_the_checkpoint_lacks(flat, saved_tensors: set, saved_per_rank: s
         state = holder[key].get("state")
         # only parameters the saved optimizer held (its param groups name them): one it never held is
         # another optimizer's checkpoint, which the key check reports
-        try:
-            groups = codec.decode(saved_objects[f"{fqn}.param_groups"])
-            held = {str(p) for g in groups for p in g["params"]}
-        except Exception:  # absent or not a list of groups: nothing is dropped, the key check reports
+        groups = _saved_group_params(saved_objects, fqn)
+        if groups is None:  # absent or not a list of groups: nothing is dropped, the key check reports
             continue
+        held = {p for g in groups for p in g}
         if not isinstance(state, dict):
             continue
         for pfqn, entries in list(state.items()):
@@ -114,11 +113,10 @@ def check_param_groups(flat, saved_objects: dict, path: str) -> None:
     ``set_optimizer_state_dict`` would map them by name and leave a group without its
     hyper-parameters. Raises StateMismatchError naming the optimizer and both groupings."""
     for fqn, (holder, key) in flat.optimizer_states.items():
-        name = f"{fqn}.param_groups"
-        if name not in saved_objects or not isinstance(holder[key], dict):
+        saved = _saved_group_params(saved_objects, fqn)
+        if saved is None or not isinstance(holder[key], dict):
             continue
         try:
-            saved = [sorted(map(str, g["params"])) for g in codec.decode(saved_objects[name])]
             target = [sorted(map(str, g["params"])) for g in holder[key]["param_groups"]]
         except Exception:  # not groups of params: the object decoding and the key check report it
             continue
@@ -129,6 +127,22 @@ def check_param_groups(flat, saved_objects: dict, path: str) -> None:
             raise StateMismatchError(f"{path!r}: {fqn!r}: the checkpoint's optimizer has {len(saved)} param "
                                      f"group(s) [{show(saved)}], the state's has {len(target)} [{show(target)}]; "
                                      "build the optimizer with the same parameter groups")
+
+
+def _saved_group_params(saved_objects: dict, fqn: str) -> list[list[str]] | None:
+    """The parameter fqns of each saved param group of the optimizer ``fqn`` (sorted), or None. The
+    groups are one plain value, or, when a group holds a tensor (a tensor learning rate), a list
+    whose groups' ``params`` are values of their own."""
+    try:
+        whole = saved_objects.get(f"{fqn}.param_groups")
+        if whole is not None:
+            return [sorted(map(str, g["params"])) for g in codec.decode(whole)]
+        out = []
+        while f"{fqn}.param_groups.{len(out)}.params" in saved_objects:
+            out.append(sorted(map(str, codec.decode(saved_objects[f"{fqn}.param_groups.{len(out)}.params"]))))
+        return out or None
+    except Exception:  # not groups of params: the object decoding and the key check report it
+        return None
 
 
 def _groups_match(saved: Any, target: Any) -> bool:

@@ -568,8 +568,9 @@ class _WithUnused(torch.nn.Module):
 
 
 @pytest.mark.parametrize("make_optim", [lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                                        lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-2)),
                                         lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9)],
-                         ids=["adamw", "sgd-momentum"])
+                         ids=["adamw", "adamw-tensor-lr", "sgd-momentum"])
 def test_parameters_without_optimizer_state_load_into_a_fresh_optimizer(tmp_path, make_optim):
     torch.manual_seed(0)
     model = _WithUnused()
