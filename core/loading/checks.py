@@ -15,7 +15,7 @@ from ..format.metadata import TensorMeta
 from ..state import codec
 
 __all__ = ["check_target", "check_memory", "take_saved_empty_optimizer_states", "drop_states_the_checkpoint_lacks",
-           "check_param_groups", "check_keys"]
+           "saved_param_groups", "check_param_groups", "check_keys"]
 
 
 def check_target(leaf: Any, tmeta: TensorMeta) -> None:
@@ -69,15 +69,16 @@ def take_saved_empty_optimizer_states(flat, saved_objects: dict) -> None:
         flat.objects[fqn] = (holder, key)
 
 
-def drop_states_the_checkpoint_lacks(flat, saved_tensors: set, saved_per_rank: set, saved_objects: dict) -> None:
+def drop_states_the_checkpoint_lacks(flat, saved_groups: dict, saved_tensors: set, saved_per_rank: set,
+                                     saved_objects: dict) -> None:
     """A parameter that had no gradient at any step before the save has no optimizer state in the
     checkpoint (torch's optimizers create a parameter's state at its first step with a gradient: an
     unused layer, an expert that got no tokens), while a load into an optimizer without state has
     created state for every parameter, to have tensors to load into. For such an optimizer
     (``flat.created_states``), a parameter none of whose state entries the checkpoint holds gets no
     state, exactly what ``optimizer.load_state_dict`` of the saved state dict gives; its entries
-    leave the load's targets. Only parameters that the saved ``param_groups`` list (the saved
-    optimizer held them); an optimizer that had state before the load, or a parameter with some of
+    leave the load's targets. Only parameters that the saved param groups list (``saved_groups``,
+    :func:`saved_param_groups`: the saved optimizer held them); an optimizer that had state before the load, or a parameter with some of
     its entries saved, is left to the key check (StateMismatchError names what is missing)."""
     saved = saved_tensors | saved_per_rank | set(saved_objects)
     for fqn in flat.created_states:
@@ -87,12 +88,10 @@ def drop_states_the_checkpoint_lacks(flat, saved_tensors: set, saved_per_rank: s
         state = holder[key].get("state")
         # only parameters the saved optimizer held (its param groups name them): one it never held is
         # another optimizer's checkpoint, which the key check reports
-        groups = _saved_group_params(saved_objects, fqn)
-        if groups is None:  # absent or not a list of groups: nothing is dropped, the key check reports
+        groups = saved_groups.get(fqn)
+        if groups is None or not isinstance(state, dict):  # nothing is dropped, the key check reports
             continue
         held = {p for g in groups for p in g}
-        if not isinstance(state, dict):
-            continue
         for pfqn, entries in list(state.items()):
             if str(pfqn) not in held or not isinstance(entries, dict) \
                     or any(isinstance(v, (dict, list, tuple)) for v in entries.values()):
@@ -106,14 +105,15 @@ def drop_states_the_checkpoint_lacks(flat, saved_tensors: set, saved_per_rank: s
             del state[pfqn]
 
 
-def check_param_groups(flat, saved_objects: dict, path: str) -> None:
+def check_param_groups(flat, saved_groups: dict, path: str) -> None:
     """Each optimizer's saved param groups hold the same parameters as the state's, group by group
     (as many groups; the same parameter fqns in each, in any order). torch's
     ``optimizer.load_state_dict`` refuses other groups (ValueError); torch's
     ``set_optimizer_state_dict`` would map them by name and leave a group without its
-    hyper-parameters. Raises StateMismatchError naming the optimizer and both groupings."""
+    hyper-parameters. ``saved_groups``: :func:`saved_param_groups`. Raises StateMismatchError naming
+    the optimizer and both groupings."""
     for fqn, (holder, key) in flat.optimizer_states.items():
-        saved = _saved_group_params(saved_objects, fqn)
+        saved = saved_groups.get(fqn)
         if saved is None or not isinstance(holder[key], dict):
             continue
         try:
@@ -129,10 +129,15 @@ def check_param_groups(flat, saved_objects: dict, path: str) -> None:
                                      "build the optimizer with the same parameter groups")
 
 
+def saved_param_groups(flat, saved_objects: dict) -> dict[str, list[list[str]] | None]:
+    """For each optimizer of the state (``flat.optimizer_states``), the parameter fqns of each of its
+    saved param groups (sorted), or None when the checkpoint has none (decoded once per load)."""
+    return {fqn: _saved_group_params(saved_objects, fqn) for fqn in flat.optimizer_states}
+
+
 def _saved_group_params(saved_objects: dict, fqn: str) -> list[list[str]] | None:
-    """The parameter fqns of each saved param group of the optimizer ``fqn`` (sorted), or None. The
-    groups are one plain value, or, when a group holds a tensor (a tensor learning rate), a list
-    whose groups' ``params`` are values of their own."""
+    """The groups are one plain value, or, when a group holds a tensor (a tensor learning rate), a
+    list whose groups' ``params`` are values of their own."""
     try:
         whole = saved_objects.get(f"{fqn}.param_groups")
         if whole is not None:

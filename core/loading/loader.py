@@ -40,7 +40,7 @@ from ..state.flat import flatten, saved_leaves
 from ..storage import open_storage
 from . import convert, dcp
 from .checks import (check_keys, check_memory, check_param_groups, check_target, drop_states_the_checkpoint_lacks,
-                     take_saved_empty_optimizer_states)
+                     saved_param_groups, take_saved_empty_optimizer_states)
 from .exchange import read_and_exchange
 from .stats import LoadStats
 from .targets import ChunkTable, TargetReads, split_needs
@@ -174,9 +174,10 @@ class Loader:
         _, _, saved_objects = saved_leaves(meta.state_tree)
         saved_tensors = set(meta.tensors) | set(meta.aliases)
         saved_per_rank = set(meta.per_rank.get("fqns", []))
-        check_param_groups(flat, saved_objects, path)
+        saved_groups = saved_param_groups(flat, saved_objects)
+        check_param_groups(flat, saved_groups, path)
         take_saved_empty_optimizer_states(flat, saved_objects)
-        drop_states_the_checkpoint_lacks(flat, saved_tensors, saved_per_rank, saved_objects)
+        drop_states_the_checkpoint_lacks(flat, saved_groups, saved_tensors, saved_per_rank, saved_objects)
         check_keys(flat, saved_tensors, saved_per_rank, saved_objects, strict, path)
         # Validate and decode everything before the first byte lands in the caller's state, so a
         # mismatch or an unsafe object leaves the state untouched.

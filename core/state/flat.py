@@ -319,12 +319,12 @@ def _flatten(state: dict, *, for_load: bool, allow_pickle: bool) -> FlatState:
     _collect_modules(state, modules, optimizers)
     seen_alias: dict[tuple, str] = {}
     paths: dict[str, tuple] = {}
-    # a module with exactly one optimizer: both state dicts from one ``get_state_dict`` call (it
-    # verifies the model once; two separate calls cost ~1.5x as much, all of it in the caller's stall)
-    had_state = {id(o): bool(o.state) for o in optimizers}
+    had_state = {id(o): bool(o.state) for o in optimizers} if for_load else {}  # before any is created
     if for_load:  # the moments to load into, without torch's zero step (create_adam_state)
         for o in optimizers:
             create_adam_state(o)
+    # a module with exactly one optimizer: both state dicts from one ``get_state_dict`` call (it
+    # verifies the model once; two separate calls cost ~1.5x as much, all of it in the caller's stall)
     owner = {o: _module_for(o, modules) for o in optimizers}  # optimizers hash by identity
     optims_of = collections.Counter(id(m) for m in owner.values() if m is not None)
     combined: dict[int, Any] = {}

@@ -41,12 +41,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["state_dicts", "clear", "cache_info"]
+__all__ = ["state_dicts", "clear", "cache_info", "uses_torch_state_dict", "FSDP2_RESHARD_HOOK"]
 
 _LOCK = threading.Lock()
 _COUNTS = {"hits": 0, "misses": 0, "uncacheable": 0}
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()  # model -> {id(optim): entry}
-_FSDP2_HOOK = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
+FSDP2_RESHARD_HOOK = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
+"""``__qualname__`` of FSDP2's state-dict pre-hook (save and load): it only reshards the parameters."""
 
 
 def clear() -> None:
@@ -126,7 +127,10 @@ _TORCH_IMPLS = {"state_dict": nn.Module.state_dict, "_save_to_state_dict": nn.Mo
 _OPTIM_STATE_DICT = torch.optim.Optimizer.state_dict
 
 
-def _module_cacheable(m: nn.Module) -> bool:
+def uses_torch_state_dict(m: nn.Module) -> bool:
+    """Whether ``m``'s ``state_dict``, ``_save_to_state_dict`` and ``get_extra_state`` are torch's own
+    (on its class and not on the instance; torch's own not patched since import) and ``m`` is not an
+    FSDP1 wrapper."""
     cls, own = type(m), m.__dict__
     for name, impl in _TORCH_IMPLS.items():
         if getattr(cls, name) is not impl or name in own:
@@ -140,8 +144,8 @@ def _fingerprint(model: nn.Module, optim: torch.optim.Optimizer | None) -> tuple
         return None  # torch's own patched since this module was imported
     parts: list = []
     for m in model.modules():
-        if not _module_cacheable(m) or m._state_dict_hooks or any(
-                getattr(h, "__qualname__", "") != _FSDP2_HOOK for h in m._state_dict_pre_hooks.values()):
+        if not uses_torch_state_dict(m) or m._state_dict_hooks or any(
+                getattr(h, "__qualname__", "") != FSDP2_RESHARD_HOOK for h in m._state_dict_pre_hooks.values()):
             return None
         parts.append(tuple(m._modules))  # the children's names (a renamed child changes the fqns)
         for name, t in m._parameters.items():

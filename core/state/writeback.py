@@ -43,14 +43,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from .sd_cache import FSDP2_RESHARD_HOOK, uses_torch_state_dict
+
 __all__ = ["set_module_state", "writes_back"]
 
-_TORCH_IMPLS = {name: getattr(nn.Module, name) for name in (
-    "load_state_dict", "_load_from_state_dict", "set_extra_state", "state_dict", "_save_to_state_dict",
-    "get_extra_state")}
-# FSDP2's hooks (torch.distributed.fsdp._fully_shard): no-ops when the parameters' shards were
-# written in place (see the module docstring)
-_FSDP2_PRE = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
+# torch's own load side (the save side, and FSDP1, as sd_cache.uses_torch_state_dict checks it)
+_TORCH_LOAD_IMPLS = {name: getattr(nn.Module, name) for name in (
+    "load_state_dict", "_load_from_state_dict", "set_extra_state")}
+# FSDP2's load post-hook (torch.distributed.fsdp._fully_shard): a no-op when the parameters' shards
+# were written in place (see the module docstring); its pre-hook is sd_cache.FSDP2_RESHARD_HOOK
 _FSDP2_POST = "FSDPParam.__init__.<locals>.<lambda>"
 
 
@@ -72,21 +73,18 @@ def set_module_state(model: nn.Module, state_dict: dict) -> None:
 def writes_back(model: nn.Module, state_dict: dict) -> bool:
     """Whether loading ``state_dict`` into ``model`` does anything beyond copying each tensor onto its
     own memory (see the module docstring); True whenever that cannot be shown."""
-    if any(getattr(nn.Module, name) is not impl for name, impl in _TORCH_IMPLS.items()):
-        return True
     if torch.__future__.get_swap_module_params_on_conversion():  # torch's call swaps the parameters
         return True
     if not all(_plain(t) for t in state_dict.values()):
         return True
     own: set[tuple] = set()
     for m in model.modules():
-        cls, attrs = type(m), m.__dict__
-        if any(getattr(cls, name) is not impl or name in attrs for name, impl in _TORCH_IMPLS.items()):
+        # a class attribute compared with torch's own at import also catches torch patched since
+        if not uses_torch_state_dict(m) or any(getattr(type(m), name) is not impl or name in m.__dict__
+                                               for name, impl in _TORCH_LOAD_IMPLS.items()):
             return True
-        if "torch.distributed.fsdp.fully_sharded_data_parallel" in cls.__module__:
-            return True
-        if m._state_dict_hooks or any(_qualname(h) != _FSDP2_PRE for h in m._state_dict_pre_hooks.values()) \
-                or any(_qualname(h) != _FSDP2_PRE for h in m._load_state_dict_pre_hooks.values()) \
+        if m._state_dict_hooks or any(_qualname(h) != FSDP2_RESHARD_HOOK for h in m._state_dict_pre_hooks.values()) \
+                or any(_qualname(h) != FSDP2_RESHARD_HOOK for h in m._load_state_dict_pre_hooks.values()) \
                 or any(_qualname(h) != _FSDP2_POST for h in m._load_state_dict_post_hooks.values()):
             return True
         for t in m._parameters.values():
