@@ -49,10 +49,12 @@ _EXPORTS = {
     "StateMismatchError": ".errors",
     "ReplicaMismatchError": ".errors",
     "IntegrityError": ".errors",
+    "StorageError": ".errors",
     "PerRankReshardError": ".errors",
     "UnsafeObjectError": ".errors",
     "RankFailuresError": ".errors",
     "SaveFailedError": ".errors",
+    "EarlierSaveFailedError": ".errors",
     "LoadFailedError": ".errors",
     "Mapping": ".plan.mapping",
     "Rename": ".plan.mapping",
@@ -72,9 +74,10 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from .api import load, save
     from .checkpointer import Checkpointer, list_checkpoints
-    from .errors import (CheckpointExistsError, CheckpointNotFoundError, FormatVersionError, IntegrityError,
-                         LoadFailedError, PerRankReshardError, RankFailuresError, ReplicaMismatchError,
-                         SaveFailedError, StateMismatchError, UnickptError, UnsafeObjectError)
+    from .errors import (CheckpointExistsError, CheckpointNotFoundError, EarlierSaveFailedError,
+                         FormatVersionError, IntegrityError, LoadFailedError, PerRankReshardError,
+                         RankFailuresError, ReplicaMismatchError, SaveFailedError, StateMismatchError,
+                         StorageError, UnickptError, UnsafeObjectError)
     from .format.metadata import FORMAT_VERSION, CheckpointMetadata
     from .loading.stats import LoadStats
     from .options import LoadOptions, SaveOptions, TierOptions

@@ -40,6 +40,10 @@ def save(path: str | os.PathLike, state: dict, *, async_save: bool = False, proc
 
     Raises:
         SaveFailedError: (sync saves, or planning failures) naming every failed rank and why.
+        EarlierSaveFailedError: (a ``SaveFailedError``) an earlier ``async_save`` of the group failed
+            after its call returned and was not reported yet: raised on every rank by the next
+            ``save`` (this one then saves nothing) or ``load`` of the group, naming that save's path
+            (docs/design.md, "Failures of asynchronous saves").
         StateMismatchError: ranks disagree on a tensor's dtype or global shape.
     """
     return get_engine(process_group).save(os.fspath(path), state, async_save=async_save,

@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from typing import Any, Callable
 
 from .engine import SaveHandle, get_engine
+from .errors import EarlierSaveFailedError, StorageError
 from .lifecycle.directory import is_committed
 from .lifecycle.root import CheckpointRoot, list_checkpoints
 from .loading.stats import LoadStats
@@ -58,6 +60,18 @@ class Checkpointer:
             for the fields of ``tiers``.
         tiers: the other tier options (:class:`~unickpt.TierOptions`: memory directory, steps kept,
             memory bound, node id, signals, peer copies).
+        on_error: what happens when an asynchronous save fails after :meth:`save` returned.
+            ``"raise"`` (default): the next :meth:`save`, :meth:`wait`, :meth:`close` or :meth:`load`
+            raises :class:`~unickpt.EarlierSaveFailedError` (a ``SaveFailedError``) naming the failed
+            step(s), on every rank, once (that ``save`` then saves nothing). ``"warn"``: the same call
+            warns instead (a ``RuntimeWarning`` per failed save, on every rank) and training goes on.
+            Either way :attr:`failed_saves` counts the failures reported and :attr:`last_error` holds
+            the latest; later saves run as usual. A synchronous save raises its own failure at the call.
+
+    Attributes:
+        failed_saves: how many of this checkpointer's persistent saves failed (reported so far).
+        last_error: the EarlierSaveFailedError of the latest of them (its ``__cause__`` is the save's
+            own error), or None.
 
     Construction is collective over ``process_group`` (with tiers it creates two private gloo groups).
     """
@@ -67,9 +81,14 @@ class Checkpointer:
                  local_root: str | os.PathLike | None = None, save_options: SaveOptions | None = None,
                  load_options: LoadOptions | None = None, on_commit: Callable[[int], None] | None = None,
                  framework: str | None = None, memory_every: int | None = None,
-                 persist_every: int | None = None, tiers: TierOptions | None = None):
+                 persist_every: int | None = None, tiers: TierOptions | None = None, on_error: str = "raise"):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if on_error not in ("raise", "warn"):
+            raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
+        self.on_error = on_error
+        self.failed_saves = 0
+        self.last_error: BaseException | None = None
         changes = {k: v for k, v in (("memory_every", memory_every), ("persist_every", persist_every)) if v is not None}
         self.tier_options = (tiers or TierOptions()).with_(**changes)
         self.root = os.fspath(root)
@@ -120,7 +139,10 @@ class Checkpointer:
         handle, else the memory save's, else None (nothing due at this step).
 
         An earlier async save still in flight keeps draining; this one stages into the other
-        staging pool. Raises CheckpointExistsError if ``step`` is already committed (a persistent save).
+        staging pool. Raises CheckpointExistsError if ``step`` is already committed (a persistent save),
+        and EarlierSaveFailedError (``on_error="raise"``) when an earlier persistent save failed after
+        its call returned: then this persistent save is not started, except on a preemption notice,
+        where it runs first and the error is raised after it.
         """
         if self._closed:
             raise RuntimeError("Checkpointer is closed")
@@ -148,9 +170,13 @@ class Checkpointer:
         if self._engine.rank == 0:
             log.warning("unickpt: preemption notice (%s): saving step %d persistently on every rank", notice.received
                         or "on another rank", step)
-        handle = None
-        committed = self._engine.broadcast(is_committed(self._root.storage, self.path_for(step))
-                                           if self._engine.rank == 0 else None)
+        handle, earlier = None, None
+        try:  # earlier saves first (they would commit before this one anyway): a failure of theirs never
+            self._engine.wait()  # stops this save; it is raised once this save is done
+        except EarlierSaveFailedError as e:
+            earlier = e
+        committed = _from_rank0(self._engine, lambda: is_committed(self._root.storage, self.path_for(step)),
+                                self.path_for(step))
         if not committed:
             handle = self._persist(step, state, False)
         self._engine.wait()
@@ -159,6 +185,8 @@ class Checkpointer:
         self.preempt_save_s = time.time() - t0
         since = f", {time.time() - notice.received_at:.2f} s after the notice" if notice.received_at else ""
         log.warning("unickpt: step %d saved persistently for the preemption in %.2f s%s", step, self.preempt_save_s, since)
+        if earlier is not None:
+            raise earlier
         return handle
 
     def _persist(self, step: int, state: dict, async_save: bool | None) -> SaveHandle:
@@ -168,13 +196,26 @@ class Checkpointer:
         if self._local is None:
             return self._engine.save(self.path_for(step), state, async_save=mode, storage_options=self.storage_options,
                                      step=int(step), on_commit=on_commit, allow_pickle=self.allow_pickle,
-                                     options=self.save_options, framework=self.framework)
+                                     options=self.save_options, framework=self.framework, on_error=self._failed)
         # the upload target is this save's option, not the engine's
         options = (self.save_options or self._engine.options).with_(upload_to=self.root,
                                                                     upload_options=self.storage_options)
         return self._engine.save(self._local.path(int(step)), state, async_save=mode, step=int(step),
                                  on_commit=on_commit, allow_pickle=self.allow_pickle, options=options,
-                                 framework=self.framework)
+                                 framework=self.framework, on_error=self._failed)
+
+    def _failed(self, error: BaseException) -> bool:
+        """The engine found one of this checkpointer's saves failed (caller's thread, at a later
+        ``save`` / ``wait``): count it; with ``on_error="warn"`` warn and report it handled."""
+        self.failed_saves += 1
+        self.last_error = error
+        if self.on_error == "warn":
+            lines = [line.strip() for line in str(error.__cause__ or error).splitlines() if line.strip()]
+            cause = lines[-1] if lines else type(error.__cause__).__name__  # the failing rank's exception
+            warnings.warn(f"unickpt: the asynchronous save of step {error.steps[0]} ({error.path!r}) failed ({cause}); "
+                          "on_error='warn': training goes on", RuntimeWarning, stacklevel=2)
+            return True
+        return False
 
     def _after_commit(self, step: int) -> None:
         """Group rank 0, commit thread, after ``step`` committed: ``latest`` and retention in every tier
@@ -186,7 +227,8 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """The newest committed step under ``root`` (and ``local_root``), by scanning for
-        ``metadata.json``, or None."""
+        ``metadata.json``, or None. Raises StorageError when a listing, or a look at a
+        ``metadata.json``, fails (never None for a root it could not read)."""
         committed = [s for root in self._roots() for s in root.committed_steps()]
         return max(committed) if committed else None
 
@@ -207,7 +249,7 @@ class Checkpointer:
         self._engine.wait()
         ap = self.allow_pickle if allow_pickle is None else allow_pickle
         if self._tiers is not None and self._tiers.memory:
-            persisted = self._engine.broadcast(self.latest_step() if self._engine.rank == 0 else None)
+            persisted = _from_rank0(self._engine, self.latest_step, self.root)
             result = self._tiers.recover(state, persisted=persisted, only=step, strict=strict, allow_pickle=ap,
                                          load_options=self.load_options)
             if result is not None:
@@ -218,14 +260,13 @@ class Checkpointer:
             if step is None:
                 return None
         elif step is None:
-            step = self._engine.broadcast(self.latest_step() if self._engine.rank == 0 else None)
+            step = _from_rank0(self._engine, self.latest_step, self.root)
             if step is None:
                 return None
         path, options = self.path_for(step), self.storage_options
         if self._local is not None:  # prefer the local copy when group rank 0 sees it committed
             local = self._local.path(int(step))
-            use_local = is_committed(self._local.storage, local) if self._engine.rank == 0 else None
-            if self._engine.broadcast(use_local):
+            if _from_rank0(self._engine, lambda: is_committed(self._local.storage, local), local):
                 path, options = local, None
         stats = self._engine.load(path, state, strict=strict, storage_options=options, allow_pickle=ap,
                                   options=self.load_options)
@@ -238,15 +279,17 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every pending save has committed (and, with tiers, every memory save and peer
-        copy is done); raise the first failure of a persistent save."""
+        copy is done); then raise EarlierSaveFailedError naming every persistent save that failed and
+        was not reported yet (with ``on_error="warn"``: warn, see the class docstring)."""
         if self._tiers is not None:
             self._tiers.wait()
         self._engine.wait()
 
     def close(self) -> None:
         """Wait for pending saves (and memory saves and peer copies; then stop the tiers' threads and
-        put the signal handlers back). The engine (shared per process group) stays usable; the memory
-        copies stay for a restart (:meth:`clear_memory` removes them)."""
+        put the signal handlers back), reporting failures as :meth:`wait` does. The engine (shared per
+        process group) stays usable; the memory copies stay for a restart (:meth:`clear_memory`
+        removes them)."""
         if not self._closed:
             self._closed = True
             try:
@@ -267,3 +310,21 @@ class Checkpointer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+
+def _from_rank0(engine: Any, fn: Callable[[], Any], path: str) -> Any:
+    """``fn()`` (a listing, a look at ``metadata.json``) on group rank 0, its result on every rank
+    (1 broadcast), so that ranks never disagree on what storage holds. An OSError there (a
+    :class:`~unickpt.errors.StorageError`, or any other, turned into one naming ``path``) is raised
+    on every rank: no rank is left waiting, none reads a failure as "no checkpoint"."""
+    out: Any = None
+    if engine.rank == 0:
+        try:
+            out = ("ok", fn())
+        except StorageError as e:
+            out = ("error", e)
+        except OSError as e:
+            out = ("error", StorageError(f"cannot read {path!r}: {e}", path, e))
+    got = engine.broadcast(out)
+    if got[0] == "error":
+        raise got[1]
+    return got[1]

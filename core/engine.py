@@ -45,7 +45,8 @@ class Engine:
         self.run_id = uuid.uuid4().hex
         self.saver = Saver(self.comm, (options or SaveOptions()).validated(), self.run_id,
                            local_world_size=env().local_world_size, timeout_s=timeout_s,
-                           busy_elsewhere=lambda path: any(e.in_flight(path) for e in engines() if e is not self))
+                           busy_elsewhere=lambda path: any(e.in_flight(path) for e in engines() if e is not self),
+                           report_earlier=True)
         self.loader = Loader(self.comm)
 
     @property
@@ -68,18 +69,24 @@ class Engine:
     def save(self, path: str, state: dict, *, async_save: bool = False, storage_options: dict | None = None,
              step: int | None = None, framework: str | None = None, extra: dict | None = None,
              on_commit: Callable[[], None] | None = None, allow_pickle: bool = False,
-             options: SaveOptions | None = None) -> SaveHandle:
+             options: SaveOptions | None = None, on_error: Callable[[BaseException], bool] | None = None) -> SaveHandle:
         """Save ``state`` to ``path`` (see :func:`unickpt.save`; :meth:`unickpt.saving.saver.Saver.save`).
-        ``on_commit`` runs on group rank 0 right after the commit; ``options`` default to the engine's."""
+        ``on_commit`` runs on group rank 0 right after the commit; ``options`` default to the engine's.
+
+        First raises EarlierSaveFailedError, on every rank, when earlier saves of this engine failed
+        after their call returned (then this save is not started; docs/design.md, "Failures of
+        asynchronous saves"). ``on_error(error) -> bool``: called instead with this save's
+        EarlierSaveFailedError when a later call finds it failed; True: handled, not raised."""
         return self.saver.save(str(path), state, async_save=async_save, storage_options=storage_options, step=step,
                                framework=framework, extra=extra, on_commit=on_commit, allow_pickle=allow_pickle,
-                               options=options)
+                               options=options, on_error=on_error)
 
     def load(self, path: str, state: dict, *, strict: bool = True, storage_options: dict | None = None,
              allow_pickle: bool = False, verify: bool | None = None, redistribute: bool | None = None,
              options: LoadOptions | None = None, mapping: Any = None) -> LoadStats:
-        """Wait for this engine's pending saves, then load ``path`` into ``state`` (see :func:`unickpt.load`).
-        ``verify`` / ``redistribute``, when given, override ``options``."""
+        """Wait for this engine's pending saves (raising their failures as :meth:`wait` does), then load
+        ``path`` into ``state`` (see :func:`unickpt.load`). ``verify`` / ``redistribute``, when given,
+        override ``options``."""
         self.wait()
         opts = options or LoadOptions()
         changes = {k: v for k, v in (("verify", verify), ("redistribute", redistribute)) if v is not None}
@@ -105,7 +112,8 @@ class Engine:
         return self.saver.in_flight(path, others)
 
     def wait(self) -> None:
-        """Wait for every pending save; raise the first error not already raised by its handle."""
+        """Wait for every pending save; then raise EarlierSaveFailedError naming every failed save whose
+        failure was not raised yet (by its handle or an earlier call); each failure is raised once."""
         self.saver.wait()
 
     def close(self) -> None:
@@ -141,7 +149,8 @@ def _engines_of(group: Any) -> list[tuple[Any, Engine]]:
 
 def finish_saves(group: Any = None) -> BaseException | None:
     """Wait for the in-flight saves of the engines on ``group`` (None: every engine) and close those
-    whose private groups are about to go; returns the first save error not reported yet (None if none)."""
+    whose private groups are about to go; returns the save errors not reported yet (an
+    EarlierSaveFailedError naming each failed save; the first engine's if several have some; None if none)."""
     import torch.distributed as dist
 
     from .tiers.manager import finish_all

@@ -13,10 +13,12 @@ __all__ = [
     "StateMismatchError",
     "ReplicaMismatchError",
     "IntegrityError",
+    "StorageError",
     "PerRankReshardError",
     "UnsafeObjectError",
     "RankFailuresError",
     "SaveFailedError",
+    "EarlierSaveFailedError",
     "LoadFailedError",
 ]
 
@@ -49,6 +51,25 @@ class ReplicaMismatchError(StateMismatchError):
 
 class IntegrityError(UnickptError, OSError):
     """Stored bytes do not match their recorded checksum or length (corrupt or truncated file)."""
+
+
+class StorageError(UnickptError, OSError):
+    """A storage operation that decides what a checkpoint holds (a listing, a look at
+    ``metadata.json``) failed for a reason other than "not found" (I/O error, permission, throttling
+    past the retries): never read as "no checkpoint" or "uncommitted".
+
+    ``errno`` is the cause's (when it has one); ``path`` the path it failed on; ``__cause__`` the error."""
+
+    def __init__(self, message: str, path: str | None = None, cause: BaseException | None = None):
+        super().__init__(getattr(cause, "errno", None), message)
+        self.path = path
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):  # picklable (sent to the other ranks), errno kept
+        return (type(self), (self.message, self.path, None if self.errno is None else OSError(self.errno, "")))
 
 
 class PerRankReshardError(UnickptError, ValueError):
@@ -93,6 +114,43 @@ class SaveFailedError(RankFailuresError):
             self.headline = ("save to {path!r} failed on rank(s) {ranks}; whether it committed is unknown "
                              "(look for its metadata.json)")
         super().__init__(path, failures)
+
+
+class EarlierSaveFailedError(SaveFailedError):
+    """One or more earlier saves failed after their call had returned (asynchronous saves); raised by the
+    next ``save()``, ``wait()`` or ``close()`` (docs/design.md, "Failures of asynchronous saves"), on
+    every rank, once. The message names each failed save by its step (or its path, for a save given no
+    step) with its error.
+
+    Attributes:
+        errors: ``[(step or None, path, error)]``: each failed save, oldest first; ``error`` is its own
+            exception (a :class:`SaveFailedError` naming the failed ranks, or the planning error).
+        steps: the failed saves' steps (None for a save given none), oldest first.
+        path: the oldest failed save's path; ``failures``: ``{rank: text}`` of every failed save, by rank.
+
+    ``__cause__`` is the oldest failed save's error.
+    """
+
+    def __init__(self, errors: list[tuple[int | None, str, BaseException]]):
+        if not errors:
+            raise ValueError("EarlierSaveFailedError needs at least one failed save")
+        self.errors = list(errors)
+        self.steps = [step for step, _, _ in errors]
+        self.path = errors[0][1]
+        self.committed = None if any(getattr(e, "committed", False) is None for _, _, e in errors) else False
+        failures: dict[int, list[str]] = {}
+        for step, _, e in errors:
+            for rank, text in getattr(e, "failures", {}).items():
+                failures.setdefault(rank, []).append(f"step {step}: {text}" if step is not None else text)
+        self.failures = {r: "\n".join(t) for r, t in failures.items()}
+        names = ", ".join(_save_name(step, path) for step, path, _ in errors)
+        lines = [f"{len(errors)} earlier asynchronous save(s) failed: {names}"]
+        lines += [f"--- {_save_name(step, path)}: {type(e).__name__}: {e}" for step, path, e in errors]
+        UnickptError.__init__(self, "\n".join(lines))
+
+
+def _save_name(step: int | None, path: str) -> str:
+    return f"step {step} ({path!r})" if step is not None else f"the save to {path!r}"
 
 
 class LoadFailedError(RankFailuresError):

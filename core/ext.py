@@ -115,13 +115,16 @@ class EngineHandle:
 
     def save(self, path: str, state: dict, *, async_save: bool = False, storage_options: dict | None = None,
              step: int | None = None, framework: str | None = None, extra: dict | None = None,
-             on_commit: Callable[[], None] | None = None, allow_pickle: bool = False, options: Any = None) -> Any:
+             on_commit: Callable[[], None] | None = None, allow_pickle: bool = False, options: Any = None,
+             on_error: Callable[[BaseException], bool] | None = None) -> Any:
         """:func:`unickpt.save` into ``path`` (collective), plus ``framework`` and ``extra`` (recorded in
         ``metadata.json``) and ``on_commit`` (called on group rank 0 right after the commit, on the
-        commit thread). Returns the :class:`~unickpt.SaveHandle`."""
+        commit thread). Returns the :class:`~unickpt.SaveHandle`. First raises EarlierSaveFailedError
+        for earlier saves of the group that failed unreported (``on_error``: see
+        :meth:`unickpt.engine.Engine.save`)."""
         return self._engine.save(path, state, async_save=async_save, storage_options=storage_options, step=step,
                                  framework=framework, extra=extra, on_commit=on_commit, allow_pickle=allow_pickle,
-                                 options=options)
+                                 options=options, on_error=on_error)
 
     def load(self, path: str, state: dict, *, strict: bool = True, storage_options: dict | None = None,
              allow_pickle: bool = False, verify: bool | None = None, redistribute: bool | None = None,
@@ -133,8 +136,8 @@ class EngineHandle:
                                  mapping=mapping)
 
     def wait(self) -> None:
-        """Block until every pending save of the group has committed; raise the first failure not yet
-        raised by its handle."""
+        """Block until every pending save of the group has committed; raise EarlierSaveFailedError naming
+        every failed save not reported yet."""
         self._engine.wait()
 
     def in_flight(self, path: str) -> bool:

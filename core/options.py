@@ -9,7 +9,7 @@ first use, and only gives the defaults of the options that a call does not set.
 variable                        default of                                 default
 ==============================  =========================================  =========================
 ``UNICKPT_POOL_BYTES``          :attr:`SaveOptions.pool_bytes`             a quarter of RAM / local ranks
-``UNICKPT_CHECK_REPLICAS``      :attr:`SaveOptions.check_replicas`         ``"first"``
+``UNICKPT_CHECK_REPLICAS``      :attr:`SaveOptions.check_replicas`         ``"sample"``
 ``UNICKPT_LOAD_REDISTRIBUTE``   :attr:`LoadOptions.redistribute` (0 / 1)   by storage and hosts
 ``UNICKPT_LOAD_BUFFER_BYTES``   :attr:`LoadOptions.read_buffer_bytes`      512 MiB
 ``UNICKPT_READ_THREADS``        :attr:`LoadOptions.read_threads`           4
@@ -40,7 +40,7 @@ class Env:
     """The core's environment variables, read once per process (see the module docstring)."""
 
     pool_bytes: int | None = None
-    check_replicas: str = "first"
+    check_replicas: str = "sample"
     load_redistribute: bool | None = None
     load_buffer_bytes: int = 512 << 20
     read_threads: int = 4
@@ -67,7 +67,7 @@ class Env:
 
         redistribute = e.get("UNICKPT_LOAD_REDISTRIBUTE", "").strip()
         return cls(pool_bytes=number("UNICKPT_POOL_BYTES", int, None),
-                   check_replicas=e.get("UNICKPT_CHECK_REPLICAS", "").strip() or "first",
+                   check_replicas=e.get("UNICKPT_CHECK_REPLICAS", "").strip() or "sample",
                    load_redistribute={"0": False, "1": True}.get(redistribute),
                    load_buffer_bytes=number("UNICKPT_LOAD_BUFFER_BYTES", int, 512 << 20),
                    read_threads=number("UNICKPT_READ_THREADS", int, 4),
@@ -149,10 +149,13 @@ class SaveOptions:
         background_nice: niceness of the drain threads / process (0: none).
         write_block: the writer's largest single write, bytes.
         check_replicas: compare the holders' copies of every chunk saved as replicated
-            (:mod:`unickpt.saving.replicas`): ``"first"`` a sampled digest on the first save of each
-            layout, ``"always"`` every byte on every save (a debug option), ``"off"`` never.
-            Different copies raise ReplicaMismatchError on every rank. Default:
-            ``UNICKPT_CHECK_REPLICAS`` or ``"first"``.
+            (:mod:`unickpt.saving.replicas`): ``"sample"`` every save: a sampled digest on the first
+            save of each layout, then a rotating sample that digests every byte once in every 128
+            saves of the layout (a chunk of at least 4 MiB in part on every save), carried in the
+            plan agreement's one collective; ``"first"`` the first save of each layout only;
+            ``"always"`` every byte on every save (a debug option); ``"off"`` never. Different
+            copies raise ReplicaMismatchError on every rank. Default: ``UNICKPT_CHECK_REPLICAS`` or
+            ``"sample"``.
         partial: the state is a part of a job-wide state (a memory-tier copy of one rank's shards,
             saved by that rank alone: :mod:`unickpt.tiers`): tensors need not be covered entirely
             (``layout.partial`` in ``metadata.json``); such a checkpoint loads only into the shards
@@ -203,7 +206,7 @@ class SaveOptions:
             opts = replace(opts, pool_bytes=env().pool_bytes)
         if opts.check_replicas is None:
             opts = replace(opts, check_replicas=env().check_replicas)
-        choices = {"check_replicas": ("first", "always", "off"), "flat_ranges": ("store", "merge"),
+        choices = {"check_replicas": ("sample", "first", "always", "off"), "flat_ranges": ("store", "merge"),
                    "snapshot": ("sync", "overlap"), "writer": ("thread", "process")}
         for name, allowed in choices.items():
             if getattr(opts, name) not in allowed:

@@ -6,6 +6,11 @@ every rank raises. The failing rank raises its own exception; the others raise t
 unickpt error when the failing ranks agree on one (``StateMismatchError`` stays a
 ``StateMismatchError`` everywhere), else :class:`~unickpt.errors.LoadFailedError` naming every
 failed rank with its traceback. Cost: one ``all_gather_object`` (2 collectives) per :func:`agree`.
+
+A rank that dies (or leaves the process group) cannot take part: the survivors' collective breaks
+(gloo: "Connection reset by peer"), and each survivor raises :func:`lost_contact`'s error, which names
+the ranks it lost (a broken collective does not say which peer died: with two ranks, exactly the other
+one; else every other rank, "one or more of"), never the survivor as the rank that failed.
 """
 from __future__ import annotations
 
@@ -13,9 +18,9 @@ import traceback
 from typing import Any
 
 from ..errors import (CheckpointNotFoundError, FormatVersionError, IntegrityError, LoadFailedError,
-                      PerRankReshardError, StateMismatchError, UnsafeObjectError)
+                      PerRankReshardError, RankFailuresError, StateMismatchError, UnsafeObjectError)
 
-__all__ = ["describe", "raise_failures", "agree"]
+__all__ = ["describe", "raise_failures", "agree", "lost_contact"]
 
 _SAME_TYPE_ERRORS = {cls.__name__: cls for cls in (StateMismatchError, IntegrityError, CheckpointNotFoundError,
                                                      FormatVersionError, PerRankReshardError, UnsafeObjectError)}
@@ -53,6 +58,25 @@ def agree(comm: Any, path: str, local_error: BaseException | None, extra: Any = 
     """Gather every rank's outcome (and ``extra``) on ``comm``'s plan group and raise on every rank if
     any failed (:func:`raise_failures`; ``tag``: see :func:`describe`). Returns every rank's ``extra``,
     in group-rank order."""
-    gathered = comm.all_gather((describe(local_error, tag), extra), comm.plan_group)
+    try:
+        gathered = comm.all_gather((describe(local_error, tag), extra), comm.plan_group)
+    except RuntimeError as e:  # a peer died or left (gloo; DistBackendError): the others' outcomes are lost
+        raise lost_contact(LoadFailedError, path, comm.rank, comm.world_size, "while the ranks compared their "
+                           "needs", e) from (local_error or e)
     raise_failures(path, [g[0] for g in gathered], local_error)
     return [g[1] for g in gathered]
+
+
+def lost_contact(kind: type[RankFailuresError], path: str, rank: int, world_size: int, when: str,
+                 error: BaseException, **kwargs: Any) -> RankFailuresError:
+    """The error a surviving ``rank`` raises when a collective of the operation on ``path`` broke
+    (``error``: the backend's, e.g. gloo's "Connection reset by peer"): a ``kind``
+    (:class:`~unickpt.errors.SaveFailedError`, :class:`~unickpt.errors.LoadFailedError`; ``kwargs`` go to
+    it) whose failed ranks are the ranks it lost contact with, each described from this rank's side
+    with ``when`` (what was going on). With two ranks that is exactly the other rank; with more, every
+    other rank (the collective does not say which one died)."""
+    others = [r for r in range(world_size) if r != rank]
+    who = f"rank {others[0]}" if len(others) == 1 else f"one or more of ranks {others}"
+    text = (f"rank {rank} lost contact with {who} {when}: it died, stopped answering, or left the process group "
+            f"before the operation finished ({type(error).__name__}: {' '.join(str(error).split())})")
+    return kind(path, {r: text for r in others}, **kwargs)

@@ -4,7 +4,12 @@ replaced or removed, and how it is removed.
 - Committed: ``metadata.json`` is present (written last, atomically: :mod:`unickpt.saving.commit`).
 - Being written: the saving process writes :data:`~unickpt.format.layout.WRITER_FILE` first (host,
   pid, time); :func:`writer_alive` tells a save in progress (pid alive on this host, or started less
-  than :data:`WRITER_STALE_S` ago on another) from the leftovers of a crashed one.
+  than :data:`WRITER_STALE_S` ago on another) from the leftovers of a crashed one. A save that fails
+  marks its record ``"failed": true`` (:func:`mark_failed`): its directory is a leftover although its
+  writer lives on.
+- Leftover (:func:`leftover_reason`): incomplete, and its writer failed or is gone, whatever its
+  step; without a writer record (a crash before it was written, a remote copy) only when older than
+  the newest commit, as a newer one may be a save in flight.
 - Incomplete: a directory holding nothing but what an unfinished save writes
   (:func:`is_incomplete_checkpoint`); a save may replace it once its writer is gone, retention may
   remove it. A directory holding anything else is never replaced or removed.
@@ -29,7 +34,8 @@ from ..errors import CheckpointExistsError, UnickptError
 from ..format.layout import METADATA_FILE, SUBDIRS, WRITER_FILE, is_own_entry, is_own_file, is_partial_entry
 
 __all__ = ["WRITER_STALE_S", "is_committed", "is_incomplete_checkpoint", "writer_record", "writer_is_this_process",
-           "writer_alive", "writer_elsewhere_on_host", "pid_alive", "foreign_entry", "check_removable", "remove_dir", "prepare_target"]
+           "writer_alive", "writer_failed", "mark_failed", "leftover_reason", "writer_elsewhere_on_host", "pid_alive",
+           "foreign_entry", "check_removable", "remove_dir", "prepare_target"]
 
 log = logging.getLogger("unickpt")
 
@@ -71,6 +77,33 @@ def _record(storage: Any, path: str) -> dict | None:
     return rec if isinstance(rec, dict) else None
 
 
+def writer_failed(storage: Any, path: str) -> bool:
+    """Whether the writer record of ``path`` says its save failed (:func:`mark_failed`)."""
+    rec = _record(storage, path)
+    return rec is not None and rec.get("failed") is True
+
+
+def mark_failed(storage: Any, path: str) -> bytes | None:
+    """Mark the writer record of ``path`` ``"failed": true`` when it names this process (group rank
+    0, after its save into ``path`` failed). Best effort: storage that fails (full, read-only) leaves
+    the record as it is (logged). Returns the record's bytes as they are now, None when unreadable."""
+    name = storage.join(path, WRITER_FILE)
+    try:
+        data = storage.read_bytes(name)
+        rec = json.loads(data)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rec, dict) or not writer_is_this_process(storage, path):
+        return data
+    marked = json.dumps({**rec, "failed": True}).encode()
+    try:
+        storage.write_small(name, marked)
+    except OSError as e:
+        log.warning("unickpt: could not mark %s as a failed save's: %s", path, e)
+        return data
+    return marked
+
+
 def writer_is_this_process(storage: Any, path: str) -> bool:
     """Whether the writer record of ``path`` names this process (host and pid)."""
     rec = _record(storage, path)
@@ -91,9 +124,9 @@ def pid_alive(pid: int) -> bool:
 def writer_alive(storage: Any, path: str) -> bool:
     """Whether the process that started the save into ``path`` may still be running: its pid is
     alive (same host), or it is on another host and started less than ``WRITER_STALE_S`` ago.
-    False when there is no (readable) writer record."""
+    False when there is no (readable) writer record, or it says the save failed."""
     rec = _record(storage, path)
-    if rec is None:
+    if rec is None or rec.get("failed") is True:
         return False
     if rec.get("host") != socket.gethostname():
         try:
@@ -118,6 +151,21 @@ def writer_elsewhere_on_host(storage: Any, path: str) -> bool:
     except (KeyError, TypeError, ValueError):
         return False
     return pid != os.getpid() and pid_alive(pid)
+
+
+def leftover_reason(storage: Any, path: str, older: bool, in_flight: Callable[[str], bool] | None = None) -> str | None:
+    """Why ``path`` is a leftover that retention and ``unickpt prune`` remove, or None: it is incomplete
+    (:func:`is_incomplete_checkpoint`), not ``in_flight`` here, and its save failed (its record says
+    so) or its writer is gone; without a writer record, only when ``older`` than the newest commit
+    (a newer one may be a save in flight that has not written its record, or a remote copy)."""
+    if (in_flight is not None and in_flight(path)) or not is_incomplete_checkpoint(storage, path):
+        return None
+    rec = _record(storage, path)
+    if rec is None:
+        return "incomplete (crashed save)" if older else None
+    if rec.get("failed") is True:
+        return "incomplete (failed save)"
+    return None if writer_alive(storage, path) else "incomplete (its writer is gone)"
 
 
 def foreign_entry(storage: Any, path: str) -> str | None:

@@ -8,9 +8,13 @@ The rules (docs/format.md):
 - ``root/latest`` holds the name of the newest committed checkpoint and is written (atomically) only
   after that checkpoint's commit; a rewrite never moves it back past a newer commit;
 - retention keeps the newest ``keep_last`` committed checkpoints (never the newest one), and removes
-  leftovers of crashed saves older than the newest commit, but never a directory still being
-  written (this process, or a live writer per its record) nor one holding anything unickpt did not
-  write; removal uncommits first (:func:`unickpt.lifecycle.directory.remove_dir`).
+  leftovers (:func:`~unickpt.lifecycle.directory.leftover_reason`: failed saves and those of a gone
+  writer, whatever their step; those without a writer record when older than the newest commit),
+  but never a directory still being written (this process, or a live writer per its record) nor one
+  holding anything unickpt did not write; removal uncommits first
+  (:func:`unickpt.lifecycle.directory.remove_dir`);
+- a listing, or a look at a ``metadata.json``, that fails (other than "not found") raises
+  :class:`~unickpt.errors.StorageError`: never "no checkpoint", never "uncommitted".
 
 Who calls what: the :class:`~unickpt.Checkpointer`'s commit callback (group rank 0, commit thread)
 runs :meth:`CheckpointRoot.retain`; ``unickpt rm`` / ``unickpt prune`` run :func:`remove_checkpoint`
@@ -25,10 +29,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import UnickptError
+from ..errors import StorageError, UnickptError
 from ..format.layout import METADATA_FILE
 from ..storage import open_storage
-from .directory import check_removable, is_committed, is_incomplete_checkpoint, remove_dir, writer_alive
+from .directory import check_removable, is_committed, leftover_reason, remove_dir
 
 log = logging.getLogger("unickpt")
 
@@ -82,12 +86,23 @@ class CheckpointRoot:
 
     # -- listing ----------------------------------------------------------------------------------
     def list(self) -> list[tuple[int, bool]]:
-        """``[(step, committed), ...]`` for every ``step_<N>`` directory, by step."""
+        """``[(step, committed), ...]`` for every ``step_<N>`` directory, by step ([] for a root that
+        does not exist). Raises StorageError (naming the path and the cause) when the listing, or the
+        look at a ``metadata.json``, fails otherwise."""
+        try:
+            names = self.storage.listdir(self.root)
+        except OSError as e:
+            raise StorageError(f"cannot list {self.root!r}: {e}; refusing to read it as holding no checkpoint",
+                               self.root, e) from e
         out = []
-        for name in self.storage.listdir(self.root):
+        for name in names:
             m = STEP_DIR.match(name)
             if m:
-                out.append((int(m.group(1)), is_committed(self.storage, self.storage.join(self.root, name))))
+                path = self.storage.join(self.root, name)
+                try:
+                    out.append((int(m.group(1)), is_committed(self.storage, path)))
+                except OSError as e:
+                    raise StorageError(f"cannot tell whether {path!r} is committed: {e}", path, e) from e
         return sorted(out)
 
     def committed_steps(self) -> list[int]:
@@ -130,16 +145,17 @@ class CheckpointRoot:
     # -- retention ----------------------------------------------------------------------------------
     def retain(self, keep_last: int | None, newest: int, in_flight: Callable[[str], bool]) -> None:
         """After ``newest`` committed: point ``latest`` at the newest committed step, then remove the
-        committed steps beyond ``keep_last`` (never the newest) and the leftovers of crashed saves
-        older than ``newest`` (not in flight here, no live writer, nothing foreign inside)."""
+        committed steps beyond ``keep_last`` (never the newest) and the leftovers
+        (:func:`~unickpt.lifecycle.directory.leftover_reason`: not in flight here, nothing foreign
+        inside; a failed save's or a gone writer's whatever its step, one without a writer record
+        when older than ``newest``)."""
         entries = self.list()
         committed = [s for s, ok in entries if ok]
         if not committed:
             return
         self.write_latest(step_name(max(committed)))
-        doomed = [s for s, ok in entries if not ok and s < newest and not in_flight(self.path(s))
-                  and is_incomplete_checkpoint(self.storage, self.path(s))
-                  and not writer_alive(self.storage, self.path(s))]
+        doomed = [s for s, ok in entries
+                  if not ok and leftover_reason(self.storage, self.path(s), s < newest, in_flight)]
         if keep_last is not None:
             keep = set(committed[-keep_last:]) | {max(committed)}
             for s in committed:
@@ -156,27 +172,35 @@ class CheckpointRoot:
 
     def prune(self, keep_last: int, *, dry_run: bool = False, skipped: list[str] | None = None) -> list[Removal]:
         """Retention by hand (``unickpt prune``): remove the oldest committed ``step_<N>`` beyond the
-        newest ``keep_last`` (never the newest), and incomplete ones older than the newest commit
-        whose writer is dead. Directories holding foreign files, or being written, are skipped.
-        Returns what was (``dry_run``: would be) removed, oldest first; ``skipped`` (when given)
-        receives the reason for each directory due for removal that was kept (one line each)."""
+        newest ``keep_last`` (never the newest), and the leftovers of saves that failed or whose
+        writer is gone, whatever their step (without a writer record: only older than the newest
+        commit; :func:`~unickpt.lifecycle.directory.leftover_reason`). Directories holding foreign
+        files, or being written, are skipped. Returns what was (``dry_run``: would be) removed,
+        oldest first; ``skipped`` (when given) receives the reason for each directory due for
+        removal that was kept (one line each). Raises StorageError when the listing fails."""
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         if not self.storage.isdir(self.root):
             raise UnickptError(f"{self.root!r} is not a directory")
         entries = self.list()
         committed = [s for s, ok in entries if ok]
-        if not committed:
-            return []
         keep = set(committed[-keep_last:])
+        newest = max(committed, default=-1)
         out = []
         for step, ok in entries:
             path = self.path(step)
             if ok and step not in keep:
-                reason = f"beyond the newest {keep_last}"
-            elif not ok and step < max(committed):
-                reason = "incomplete (crashed save)"
+                reason: str | None = f"beyond the newest {keep_last}"
+            elif not ok:
+                try:
+                    reason = leftover_reason(self.storage, path, step < newest)
+                except FileNotFoundError:  # vanished while being looked at (a concurrent prune)
+                    continue
+                if reason is None and step < newest:  # due, but kept: check_removable says why
+                    reason = "incomplete"
             else:
+                continue
+            if reason is None:
                 continue
             try:
                 check_removable(self.storage, path)

@@ -9,13 +9,52 @@ from typing import Any
 
 import torch
 
-from ..errors import StateMismatchError
+from ..errors import CheckpointNotFoundError, StateMismatchError
 from ..format.dtypes import dtype_to_str
-from ..format.metadata import TensorMeta
+from ..format.metadata import CheckpointMetadata, TensorMeta, read_metadata
+from ..lifecycle.root import CheckpointRoot, step_name
 from ..state import codec
 
-__all__ = ["check_target", "check_memory", "take_saved_empty_optimizer_states", "drop_states_the_checkpoint_lacks",
-           "saved_param_groups", "check_param_groups", "check_keys"]
+__all__ = ["read_committed", "not_a_checkpoint", "check_target", "check_memory", "take_saved_empty_optimizer_states",
+           "drop_states_the_checkpoint_lacks", "saved_param_groups", "check_param_groups", "check_keys"]
+
+
+def read_committed(storage: Any, path: str) -> CheckpointMetadata:
+    """``read_metadata(storage, path)``, saying what ``path`` is when it holds no ``metadata.json``
+    (:func:`not_a_checkpoint`: a file, or a checkpoint root). Raises CheckpointNotFoundError,
+    FormatVersionError, IntegrityError (malformed metadata)."""
+    try:
+        return read_metadata(storage, path)
+    except (CheckpointNotFoundError, NotADirectoryError):
+        better = not_a_checkpoint(storage, path)
+        if better is None:
+            raise
+        raise better from None
+
+
+def not_a_checkpoint(storage: Any, path: str) -> CheckpointNotFoundError | None:
+    """The error for a ``path`` without ``metadata.json`` that is not an unfinished save: a file (no
+    checkpoint directory), or a checkpoint root (``step_<N>`` directories: its newest committed step is
+    named, as ``unickpt inspect`` does); None for anything else (an unfinished save, a wrong path)."""
+    try:
+        if storage.exists(path) and not storage.isdir(path):
+            return CheckpointNotFoundError(
+                f"{path!r} is a file, not a unickpt checkpoint directory (a checkpoint is a directory holding "
+                "metadata.json; `unickpt import` converts other checkpoint files)")
+        steps = CheckpointRoot(path, storage=storage).list()
+    except OSError:
+        return None
+    if not steps:
+        return None
+    committed = [s for s, ok in steps if ok]
+    if not committed:
+        return CheckpointNotFoundError(f"{path!r} is a checkpoint root, not a checkpoint, and none of its "
+                                       f"{len(steps)} step_<N> directories is committed (saves that never finished)")
+    newest = storage.join(path, step_name(max(committed)))
+    return CheckpointNotFoundError(
+        f"{path!r} is a checkpoint root, not a checkpoint: its newest committed step is {max(committed)} "
+        f"({newest!r}); pass a step_<N> directory (`unickpt ls {path}` lists them), or load the newest with "
+        f"unickpt.Checkpointer({path!r}).load(state)")
 
 
 def check_target(leaf: Any, tmeta: TensorMeta) -> None:

@@ -361,7 +361,9 @@ def locate_checkpoint(path: str, storage: Any) -> str:
     ``metadata.json``; else ``path/unickpt``; else the checkpoint ``latest`` names in ``path`` or
     ``path/unickpt`` (a DeepSpeed ``save_dir``, an Accelerate folder, a checkpoint root); else what an
     installed locator finds (entry-point group ``unickpt.locators``: ``locate(path, storage) -> str |
-    None``, e.g. Lightning's pointer files); else ``path`` (the read then reports it)."""
+    None``, e.g. Lightning's pointer files; a locator raises StateMismatchError for a checkpoint of its
+    framework that cannot move, e.g. Lightning's full-dict packs, and that error is raised here); else
+    ``path`` (the read then reports it)."""
     import json
 
     from ..format.metadata import FORMAT_NAME
@@ -389,6 +391,8 @@ def locate_checkpoint(path: str, storage: Any) -> str:
         locate = _load("unickpt.locators", name)
         try:
             found = locate(path, storage) if locate is not None else None
+        except StateMismatchError:  # a checkpoint the locator knows and refuses (a Lightning full-dict pack)
+            raise
         except (OSError, ValueError):
             found = None
         if found is not None and is_ours(found):

@@ -31,16 +31,16 @@ from ..dist import failures
 from ..dist.comm import Comm
 from ..errors import IntegrityError, PerRankReshardError, StateMismatchError
 from ..geometry import EvenSplit
-from ..format.metadata import CheckpointMetadata, read_metadata
+from ..format.metadata import CheckpointMetadata
 from ..options import LoadOptions, check_options
 from ..plan.cache import PlanCache
 from ..plan.read_plan import Segment, chunk_segments, make_read_plan, segments_of
 from ..state import codec
-from ..state.flat import flatten, saved_leaves
+from ..state.flat import flatten, saved_leaves, undone_on_error
 from ..storage import open_storage
 from . import convert, dcp
 from .checks import (check_keys, check_memory, check_param_groups, check_target, drop_states_the_checkpoint_lacks,
-                     saved_param_groups, take_saved_empty_optimizer_states)
+                     read_committed, saved_param_groups, take_saved_empty_optimizer_states)
 from .exchange import read_and_exchange
 from .stats import LoadStats
 from .targets import ChunkTable, TargetReads, split_needs
@@ -69,7 +69,16 @@ class Loader:
 
         Raises, on every rank, what :func:`unickpt.load` lists, and ValueError / TypeError for options
         that are bad on some rank or that the ranks do not share (``redistribute``), TypeError for a
-        ``mapping`` that is not None, ``"auto"`` or a :class:`unickpt.Mapping` on some rank."""
+        ``mapping`` that is not None, ``"auto"`` or a :class:`unickpt.Mapping` on some rank.
+
+        A load that raises leaves an optimizer that had no state without state
+        (:func:`~unickpt.state.flat.undone_on_error`); a refusal (keys, dtypes, shapes, plain values)
+        comes before any byte lands, so the rest of the state is untouched too."""
+        with undone_on_error():
+            return self._load(path, state, strict, storage_options, allow_pickle, options, mapping)
+
+    def _load(self, path: str, state: dict, strict: bool, storage_options: dict | None, allow_pickle: bool,
+              options: LoadOptions | None, mapping: Any) -> LoadStats:
         opts = LoadOptions()
         try:
             mapping = convert.as_mapping(mapping)
@@ -81,8 +90,6 @@ class Loader:
         t0 = time.perf_counter()
         stats = LoadStats()
         storage = open_storage(path, storage_options)
-        if mapping is not None:  # a framework's own handle of a checkpoint (save_dir, pointer file, ...)
-            path = convert.locate_checkpoint(path, storage)
         # a torch.distributed.checkpoint directory (migration)
         if mapping is None and bad_mapping is None and dcp.is_dcp_checkpoint(storage, path):
             return dcp.load_dcp_checkpoint(comm, storage, path, state, strict=strict, allow_pickle=allow_pickle)
@@ -99,7 +106,9 @@ class Loader:
         try:
             if local_error is not None:
                 raise local_error
-            meta = read_metadata(storage, path)
+            if mapping is not None:  # a framework's own handle of a checkpoint (save_dir, pointer file, ...)
+                path = convert.locate_checkpoint(path, storage)
+            meta = read_committed(storage, path)
             flat = flatten(state, for_load=True)
             table = ChunkTable(meta)
             need = TargetReads(comm.rank, comm.world_size)
@@ -155,15 +164,15 @@ class Loader:
         stats.total_s = time.perf_counter() - t0
         if comm.rank == 0:
             got = stats.bytes_read + stats.bytes_received
-            log.info("unickpt: loaded %s (step %s): %.1f MB into rank 0 (%.1f MB read, %.1f MB received) in %.3f s "
-                     "(%.2f GB/s), stall %.3f s, %d rank(s)", path, meta.step, got / 1e6, stats.bytes_read / 1e6,
-                     stats.bytes_received / 1e6, stats.total_s, got / 1e9 / max(stats.total_s, 1e-9), stats.total_s,
-                     comm.world_size, extra={"unickpt_event": "load", "unickpt_stats": stats})
+            log.debug("unickpt: loaded %s (step %s): %.1f MB into rank 0 (%.1f MB read, %.1f MB received) in %.3f s "
+                      "(%.2f GB/s), stall %.3f s, %d rank(s)", path, meta.step, got / 1e6, stats.bytes_read / 1e6,
+                      stats.bytes_received / 1e6, stats.total_s, got / 1e9 / max(stats.total_s, 1e-9), stats.total_s,
+                      comm.world_size, extra={"unickpt_event": "load", "unickpt_stats": stats})
             if stats.conversion is not None:
                 c = stats.conversion
-                log.info("unickpt: %s was written by %s: %d tensors and %s moved through the mapping; left behind "
-                         "(that framework's own): %s; kept as they are: %s", path, c["from"], c["tensors"],
-                         c["values"] or "no plain values", c["left_behind"] or "nothing", c["kept"] or "nothing")
+                log.debug("unickpt: %s was written by %s: %d tensors and %s moved through the mapping; left behind "
+                          "(that framework's own): %s; kept as they are: %s", path, c["from"], c["tensors"],
+                          c["values"] or "no plain values", c["left_behind"] or "nothing", c["kept"] or "nothing")
         return stats
 
     def _needs(self, comm: Comm, storage: Any, path: str, meta: CheckpointMetadata, flat: Any, strict: bool,
@@ -373,8 +382,10 @@ def _per_rank_states(comm: Comm, storage: Any, path: str, meta: CheckpointMetada
             continue
         if target.reshard is None:
             raise PerRankReshardError(
-                f"{fqn!r}: per-rank state was saved by {saved_ws} ranks and is being loaded by "
-                f"{comm.world_size}; give PerRank(..., reshard=fn) to say how to redistribute it"
+                f"{fqn!r}: per-rank state was saved by {saved_ws} ranks and is being loaded by {comm.world_size}; "
+                f"give {target.how_to_reshard} to say how to redistribute it: "
+                "fn(saved_states, rank, world_size) gets every saved rank's state (index = saved rank) and returns "
+                "this rank's, e.g. fn = lambda states, rank, world_size: states[rank % len(states)]"
             )
         states = [codec.decode(rank_state(r)[fqn], allow_pickle=allow_pickle, key=fqn) for r in range(saved_ws)]
         out[fqn] = target.reshard(states, comm.rank, comm.world_size)

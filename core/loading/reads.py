@@ -40,15 +40,18 @@ def verify_ranges(buf: torch.Tensor, lo: int, ranges: list[tuple[int, int]], chu
 def read_ranges(storage: Any, path: str, chunk: ChunkMeta, ranges: list[tuple[int, int]], buf: torch.Tensor,
                 lo: int) -> int:
     """Read chunk-relative ``ranges`` of ``chunk`` (in file ``path``) into ``buf`` (``buf[i]`` = chunk byte
-    ``lo + i``). Returns bytes read. Raises IntegrityError for a missing, short or out-of-range file."""
+    ``lo + i``). Returns bytes read. Raises IntegrityError for a missing, short or out-of-range file
+    (a short one: naming the file, its length and the length needed, before any byte is read from
+    a local file)."""
     hi = max(s + n for s, n in ranges)
     if hi > chunk.byte_length:
         raise IntegrityError(f"{chunk.file}: chunk {chunk.spec} has {chunk.byte_length} bytes, needs {hi}")
     try:
         storage.read_into(path, [(chunk.byte_offset + s, n) for s, n in ranges], memoryview(buf.numpy()),
                           base=chunk.byte_offset + lo)
-    except EOFError as e:
-        raise IntegrityError(f"truncated checkpoint file: {e}") from e
+    except EOFError as e:  # the backend names the file, its length and the length needed
+        raise IntegrityError(f"truncated checkpoint file: {e}; chunk {chunk.spec} of {chunk.file} is bytes "
+                             f"[{chunk.byte_offset}, {chunk.byte_offset + chunk.byte_length}) of it") from e
     except FileNotFoundError as e:
         raise IntegrityError(f"checkpoint data file {path!r} is missing (the checkpoint is damaged)") from e
     return sum(n for _, n in ranges)

@@ -4,7 +4,10 @@ Runs on the save thread, on the private *plan* gloo group (:mod:`unickpt.dist.co
 
 1. always: a fixed-size ``all_gather`` of :data:`SIG_BYTES` bytes per rank: an error flag, the
    16-byte signature of the rank's local plan, 8-byte digests of its plain-value keys, of the
-   plan-shaping options, of its tensor table and of the save's target (path and step). A failed rank
+   plan-shaping options, of its tensor table and of the save's target (path and step), and the
+   default replica check's sample (:class:`~.replicas.RotatingSample`: 8 bytes naming the plan the
+   rank expects and :data:`~.replicas.SLOTS` 8-byte digests, computed before the exchange from the
+   plan this rank last agreed with the same signature; zeros when there is none). A failed rank
    sets the flag; then the failures are gathered (2 more) and raised on every rank with one type
    (:class:`~unickpt.errors.SaveFailedError`, or the failure's own type when every failing rank agrees
    on CheckpointExistsError, UnsafeObjectError, or a ValueError / TypeError of the call's options). Ranks that name different
@@ -18,20 +21,24 @@ Runs on the save thread, on the private *plan* gloo group (:mod:`unickpt.dist.co
 The exchange cannot be skipped safely: one rank's layout may change while the others' do not, and
 only an exchange lets all ranks hit or miss the cache together. A check (the replica check,
 :mod:`.replicas`) runs on a miss before the plan is cached, so a layout whose check failed is checked
-again at its next save; with ``check_replicas="always"`` also on every hit.
+again at its next save; on a hit, ``check_replicas="sample"`` (the default) compares the sample that
+came with the signatures (more collectives only when it differs or could not travel, see
+:mod:`.replicas`; a failed sample is drawn again at the next save) and ``"always"`` runs the full check.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Hashable
 
 import torch
 
-from ..errors import CheckpointExistsError, SaveFailedError, UnsafeObjectError
+from ..errors import CheckpointExistsError, ReplicaMismatchError, SaveFailedError, UnsafeObjectError
 from ..options import SaveOptions
 from ..plan.cache import PlanCache
 from ..plan.save_plan import LocalPlan, SavePlan, decode_plans, make_save_plan
+from .replicas import SLOTS, RotatingSample, check_replicas
 from .request import SaveStats
 
 __all__ = ["PlanAgreement", "SIG_BYTES", "PLAN_CACHE_SIZE"]
@@ -39,7 +46,8 @@ __all__ = ["PlanAgreement", "SIG_BYTES", "PLAN_CACHE_SIZE"]
 log = logging.getLogger("unickpt")
 
 PLAN_CACHE_SIZE = 8  # distinct layouts remembered per engine (e.g. model-only vs full saves)
-SIG_BYTES = 56  # error flag, 16-byte plan signature, 8-byte digests: objects, options, table, target (path, step)
+_SAMPLE_AT = 56  # error flag, 16-byte plan signature, 8-byte digests: objects, options, table, target (path, step)
+SIG_BYTES = _SAMPLE_AT + 8 + 8 * SLOTS  # then the replica sample: the plan it was drawn from, the digests
 
 
 def _digest8(text: str) -> bytes:
@@ -56,16 +64,21 @@ class PlanAgreement:
     def __init__(self, comm: Any):
         self.comm = comm
         self.cache: PlanCache[SavePlan] = PlanCache(PLAN_CACHE_SIZE)
+        self._samples: dict[Hashable, RotatingSample] = {}  # cache key -> its replica sample ("sample" mode)
+        self._last: dict[tuple, Hashable] = {}  # (options, this rank's signature) -> the key it last agreed
 
     def agree(self, path: str, local: LocalPlan, signature: str | None, local_error: BaseException | None,
               stats: SaveStats, opts: SaveOptions,
-              check: Callable[[SavePlan, bool], None] = lambda plan, full: None, step: int | None = None) -> SavePlan:
+              check: Callable[[SavePlan, bool], None] = lambda plan, full: None, step: int | None = None,
+              leaf: Callable[[str], torch.Tensor] | None = None) -> SavePlan:
         """The plan of this save on every rank. ``check(plan, full)`` (the replica check) runs on a miss
-        before the plan is cached, and on a hit with ``check_replicas="always"``.
+        before the plan is cached, and on a hit with ``check_replicas="always"``; on a hit with
+        ``"sample"`` the rotating sample of ``leaf(fqn)`` (this rank's tensor of fqn) is compared.
 
         Raises CheckpointExistsError / UnsafeObjectError / ValueError / TypeError / SaveFailedError (a
         rank failed before planning), ValueError (ranks configured different plan options, or named
-        different paths or steps), StateMismatchError (ranks disagree on a tensor's dtype or global shape).
+        different paths or steps), StateMismatchError (ranks disagree on a tensor's dtype or global shape),
+        ReplicaMismatchError (the holders of a replicated chunk hold different bytes).
         """
         comm, world = self.comm, self.comm.world_size
         opt_digest = _digest8(repr(opts.plan_key()))
@@ -76,6 +89,11 @@ class PlanAgreement:
             mine[25:33] = opt_digest
             mine[33:41] = bytes.fromhex(local.table_digest())
             mine[41:49] = _digest8(repr((path, step)))
+            expected = self._samples.get(self._last.get((opts.plan_key(), signature)))
+            if opts.check_replicas == "sample" and expected is not None and expected.fits and leaf is not None:
+                t0 = time.perf_counter()
+                mine[_SAMPLE_AT:] = expected.id() + expected.folds(leaf)
+                stats.replica_check_s += time.perf_counter() - t0
         else:
             mine[0] = 1
         if world > 1:
@@ -108,7 +126,10 @@ class PlanAgreement:
         if cached is not None:
             stats.plan_cache_hit = True
             if opts.check_replicas == "always":
-                check(cached, True)
+                self._timed(stats, check, cached, True)
+            elif opts.check_replicas == "sample":
+                self._check_sample(key, cached, rows, stats, leaf)
+            self._last[(opts.plan_key(), signature)] = key
             return cached
         plans = [local]
         if world > 1:
@@ -124,9 +145,48 @@ class PlanAgreement:
         plan = make_save_plan(plans, flat_ranges=opts.flat_ranges, segment_bytes=opts.segment_bytes,
                               partial=opts.partial)
         if opts.check_replicas != "off":
-            check(plan, opts.check_replicas == "always")
+            self._timed(stats, check, plan, opts.check_replicas == "always")
         self.cache.put(key, plan)
+        if opts.check_replicas == "sample" and plan.replicas and world > 1:
+            self._samples[key] = RotatingSample(plan.replicas, comm.rank, repr(key).encode())
+        self._last[(opts.plan_key(), signature)] = key
+        for k in [k for k in self._samples if k not in self.cache]:  # evicted plans
+            del self._samples[k]
+        for k in [k for k, v in self._last.items() if v not in self.cache]:
+            del self._last[k]
         return plan
+
+    @staticmethod
+    def _timed(stats: SaveStats, check: Callable[[SavePlan, bool], None], plan: SavePlan, full: bool) -> None:
+        t0 = time.perf_counter()
+        try:
+            check(plan, full)
+        finally:
+            stats.replica_check_s += time.perf_counter() - t0
+
+    def _check_sample(self, key: Hashable, plan: SavePlan, rows: list[bytes], stats: SaveStats,
+                      leaf: Callable[[str], torch.Tensor] | None) -> None:
+        """``"sample"`` mode on a hit: compare the holders' digests of the rotating sample that came
+        with the signatures; where they differ (to name the chunks) or could not come (a rank expected
+        another plan, or is in more than SLOTS holder sets), compare chunk by chunk (2 collectives, 4
+        when chunks differ). Raises ReplicaMismatchError on every rank; the count advances on a pass."""
+        sample = self._samples.get(key)
+        if sample is None or leaf is None:  # no replicated chunks
+            return
+        t0 = time.perf_counter()
+        try:
+            expected = sample.id()
+            sent = sample.fits and all(r[_SAMPLE_AT:_SAMPLE_AT + 8] == expected for r in rows)
+            differ = sample.differ([r[_SAMPLE_AT + 8:] for r in rows]) if sent else []
+            if differ or not sent:
+                leaves = {fqn: leaf(fqn) for fqn, _, ranks in plan.replicas if self.comm.rank in ranks}
+                stats.collectives_plan += check_replicas(self.comm, plan.replicas, leaves, count=sample.count)
+            if differ:  # the copies changed between the two digests
+                raise ReplicaMismatchError(f"the ranks {differ[0]} held different bytes in chunks saved as "
+                                           "replicated (written once) and then changed them during the save")
+            sample.count += 1
+        finally:
+            stats.replica_check_s += time.perf_counter() - t0
 
     def _raise_failures(self, path: str, local: LocalPlan, local_error: BaseException | None,
                         stats: SaveStats) -> None:

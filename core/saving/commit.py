@@ -3,9 +3,11 @@
 Runs on the engine's commit thread (one per engine, so saves commit in the order they were called),
 on the private *background* gloo group, after the drain (:meth:`~unickpt.saving.pipeline.SavePipeline.wait_drained`):
 
-1. each rank writes its per-rank object file and, when the plan has split tensors (format v2), its
-   index file ``index/<rank>.idx`` (the files, offsets and checksums of its parts of them); both
-   are uploaded with ``upload_to``;
+1. each rank checks that each of its data files holds the bytes the plan gives it (a short write,
+   a disk that reported more than it kept, fails the save here: one ``size`` per file), then writes
+   its per-rank object file and, when the plan has split tensors (format v2), its index file
+   ``index/<rank>.idx`` (the files, offsets and checksums of its parts of them); both are uploaded
+   with ``upload_to``;
 2. ``all_gather`` of every rank's outcome as compact JSON (**2 collectives**, no pickle: places and
    checksums of its explicit chunks, its object file, or its failure with the stage's name);
 3. if every rank succeeded, group rank 0 builds the metadata (:func:`build_metadata`) and writes it
@@ -16,26 +18,35 @@ on the private *background* gloo group, after the drain (:meth:`~unickpt.saving.
 
 A failure anywhere leaves no ``metadata.json``: the directory is never loaded, the previously
 committed checkpoints are not touched, and every rank raises the same
-:class:`~unickpt.errors.SaveFailedError` naming the failed ranks and stages.
+:class:`~unickpt.errors.SaveFailedError` naming the failed ranks and stages. Group rank 0 marks the
+failed save's writer record (:func:`~unickpt.lifecycle.directory.mark_failed`) and removes the
+directory (and its remote copy) at once when every rank joined the gather (all are past their
+writes), else (or when the removal fails: read-only storage) after this engine's next successful
+commit; never while another save into it is in flight in this process, nor once its writer record
+changed (another save took it over).
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from ..dist.failures import lost_contact
 from ..errors import SaveFailedError
 from ..format.index import IndexRecord, encode_index
 from ..format.integrity import CHECKSUM_BLOCK_BYTES, MAX_BLOCKS_PER_CHUNK
-from ..format.layout import INDEX_DIR, METADATA_FILE, data_file, index_file, objects_file
+from ..format.layout import INDEX_DIR, METADATA_FILE, WRITER_FILE, data_file, index_file, objects_file
 from ..format.metadata import CheckpointMetadata, ChunkMeta, TensorMeta, spec_order
+from ..lifecycle.directory import is_committed, is_incomplete_checkpoint, mark_failed
+from ..storage import open_storage
 from .pipeline import DrainResult
 from .request import SaveRequest, SaveStats
 from .snapshot import Snapshot, format_exc
-from .upload import Uploader, format_upload_error
+from .upload import Uploader, format_upload_error, remote_dir
 
 __all__ = ["Committer", "build_metadata"]
 
@@ -101,6 +112,11 @@ class Committer:
     def __init__(self, comm: Any, run_id: str):
         self.comm, self.run_id = comm, run_id
         self.rank, self.world_size = comm.rank, comm.world_size
+        # group rank 0: this engine's failed saves, (path, storage options, save options, writer record
+        # bytes after the failure), removed after the next successful commit (see the module docstring)
+        self._failed: list[tuple[str, Any, Any, bytes]] = []
+        # busy(path, others): more than ``others`` saves into path are in flight in this process (set by the saver)
+        self.busy: Callable[[str, int], bool] = lambda path, others=0: False
 
     def commit(self, req: SaveRequest, plan: Any, snap: Snapshot, drained: DrainResult, error: str | None,
                stats: SaveStats) -> None:
@@ -112,6 +128,7 @@ class Committer:
                 raise _StageFailure(error)
             if any(d is None for d in drained.digests):
                 raise RuntimeError("checksum stage: some chunks were written without a checksum")
+            self._check_lengths(req, plan)
             per_rank_file = self._write_per_rank(req, snap, stats)
             mine = plan.writes[self.rank]
             if plan.splits:
@@ -129,12 +146,13 @@ class Committer:
             if self.world_size > 1:
                 stats.collectives_commit += 2
         except Exception as e:
-            raise SaveFailedError(req.path, {self.rank: f"lost contact with the other ranks before the commit "
-                                                       f"(a rank died, or the process group was destroyed "
-                                                       f"before the save finished): {e!r}"}) from e
+            self._failed_attempt(req, now=False)  # the other ranks may still be writing into it
+            raise lost_contact(SaveFailedError, req.path, self.rank, self.world_size,
+                               "before the commit (or the process group was destroyed first)", e) from e
         failures = {r: res["error"] for r, res in enumerate(results) if not res["ok"]}
         if failures:
             log.error("unickpt: save to %s failed on rank(s) %s; nothing was committed", req.path, sorted(failures))
+            self._failed_attempt(req, now=True)
             raise SaveFailedError(req.path, failures)
         status = None
         if self.rank == 0:
@@ -160,6 +178,7 @@ class Committer:
             log.warning("unickpt: %s committed, but the other ranks could not be told: %r", req.path, e)
         if status is not None:
             log.error("unickpt: commit of %s failed on rank 0; nothing was committed", req.path)
+            self._failed_attempt(req, now=True)
             raise SaveFailedError(req.path, {0: status})
         if self.rank != 0:
             stats.committed = True
@@ -212,8 +231,68 @@ class Committer:
             except BaseException as e:
                 raise RuntimeError(format_upload_error(e)) from e
 
+    def _check_lengths(self, req: SaveRequest, plan: Any) -> None:
+        """Each of this rank's data files holds the bytes the plan gives it (a disk that accepted a
+        write and kept less, a file cut meanwhile); raises OSError(EIO) naming the file, the bytes
+        written and the bytes it holds. One ``size`` per file."""
+        storage = req.storage
+        for rel, nbytes in plan.segments[self.rank]:
+            path = storage.join(req.path, rel)
+            held = storage.size(path)
+            if held != nbytes:
+                raise OSError(errno.EIO, f"{path}: {nbytes} bytes were written, the file holds {held} "
+                                         f"(a short write)")
+
+    def _failed_attempt(self, req: SaveRequest, now: bool) -> None:
+        """Group rank 0, the save into ``req.path`` failed: mark its writer record and remove its
+        directory (``now``: every rank is past its writes, having joined the commit's gather), or,
+        where that is not known or the removal fails, after the next successful commit."""
+        if self.rank != 0:
+            return
+        try:
+            record = mark_failed(req.storage, req.path)
+        except Exception:  # best effort: the directory is left for retention or `unickpt prune`
+            log.warning("unickpt: could not mark %s as failed", req.path, exc_info=True)
+            return
+        if record is not None:  # a directory this save made (every save into it writes a record first)
+            self._failed.append((req.path, req.storage_options, req.options, record))
+            if now:
+                self._remove_failed(req.path, committed=False)
+
+    def _remove_failed(self, current: str, committed: bool) -> None:
+        """Group rank 0, after the save into ``current`` committed or failed: remove the directories
+        (and remote copies) of this engine's failed saves that are still as they were left:
+        uncommitted, nothing but a save's files inside, the same writer record, no (other) save into
+        them in flight in this process. What cannot be removed now is tried again next time."""
+        pending, self._failed = self._failed, []
+        for entry in pending:
+            path, storage_options, options, record = entry
+            if committed and path == current:
+                continue  # a retry into it just committed
+            if self.busy(path, 1 if path == current else 0):  # the failing save itself is still counted
+                self._failed.append(entry)  # a retry in flight: looked at again after the next commit
+                continue
+            try:
+                storage = open_storage(path, storage_options)  # a new handle: not the failed save's
+                if is_committed(storage, path) or not is_incomplete_checkpoint(storage, path) \
+                        or storage.read_bytes(storage.join(path, WRITER_FILE)) != record:
+                    continue  # taken over by another save, or holding other files: not ours to remove
+                targets = [(storage, path)]
+                if options.upload_to is not None:
+                    targets.insert(0, remote_dir(options, path))
+                for store, target in targets:  # the remote copy first: the local one's record guards both
+                    if not is_committed(store, target) and is_incomplete_checkpoint(store, target):
+                        store.rm(target)
+                log.info("unickpt: removed %s, left by a failed save", path)
+            except FileNotFoundError:
+                continue  # removed meanwhile
+            except Exception as e:  # storage still failing: tried again after the next commit
+                log.warning("unickpt: could not remove %s, left by a failed save: %s", path, e)
+                self._failed.append(entry)
+
     def _after_commit(self, req: SaveRequest, stats: SaveStats, t_commit: float) -> None:
-        """Group rank 0, right after ``metadata.json`` landed: stats, ``on_commit``, the log line."""
+        """Group rank 0, right after ``metadata.json`` landed: stats, ``on_commit``, the removal of
+        earlier failed saves' directories, the log line."""
         stats.committed = True
         stats.commit_s = time.perf_counter() - t_commit
         stats.total_s = time.perf_counter() - req.t0
@@ -222,7 +301,9 @@ class Committer:
                 req.on_commit()
             except Exception:
                 log.exception("unickpt: post-commit step (latest pointer / retention) failed for %s", req.path)
+        if self._failed:
+            self._remove_failed(req.path, committed=True)
         nbytes = sum(stats.bytes_per_rank) or stats.bytes_written  # the job's tensor bytes
-        log.info("unickpt: committed %s (step %s): %.1f MB in %.3f s (%.2f GB/s), stall %.3f s, %d rank(s)",
-                 req.path, stats.step, nbytes / 1e6, stats.total_s, nbytes / 1e9 / max(stats.total_s, 1e-9),
-                 stats.stall_s, self.world_size, extra={"unickpt_event": "save", "unickpt_stats": stats})
+        log.debug("unickpt: committed %s (step %s): %.1f MB in %.3f s (%.2f GB/s), stall %.3f s, %d rank(s)",
+                  req.path, stats.step, nbytes / 1e6, stats.total_s, nbytes / 1e9 / max(stats.total_s, 1e-9),
+                  stats.stall_s, self.world_size, extra={"unickpt_event": "save", "unickpt_stats": stats})

@@ -136,6 +136,7 @@ class SaveStats:
     upload_s: float = 0.0
     commit_s: float = 0.0
     total_s: float = 0.0
+    replica_check_s: float = 0.0  # the replica check's digests and comparisons (part of plan_s)
     bytes_staged: int = 0
     bytes_written: int = 0  # this rank's data + object files
     bytes_uploaded: int = 0
@@ -168,13 +169,25 @@ class SaveStats:
 
 
 class SaveHandle:
-    """The result of a save: ``wait()`` blocks until committed and raises the save's error, if any."""
+    """The result of a save: ``wait()`` blocks until committed and raises the save's error, if any.
 
-    def __init__(self, future: Future, stats: SaveStats, progress: SaveProgress | None = None):
+    Attributes:
+        stats: the save's :class:`SaveStats` on this rank.
+        seq: the save's number in its engine (equal on every rank; -1: not made by an engine).
+        error_reported: the failure was raised (by :meth:`wait`, by the save call itself, or by the
+            engine's next ``save()`` / ``wait()`` as an ``EarlierSaveFailedError``); it is raised once.
+        on_error: ``on_error(error) -> bool``, or None: called with the ``EarlierSaveFailedError`` of this
+            save when a later call of its engine finds it failed; True means handled (not raised).
+    """
+
+    def __init__(self, future: Future, stats: SaveStats, progress: SaveProgress | None = None, seq: int = -1,
+                 on_error: Callable[[BaseException], bool] | None = None):
         self._future = future
         self._progress = progress
         self.stats = stats
-        self.error_reported = False  # a failure is raised once: by wait(), or else by the engine's next wait
+        self.seq = seq
+        self.on_error = on_error
+        self.error_reported = False
 
     @property
     def path(self) -> str:
@@ -192,6 +205,12 @@ class SaveHandle:
         """Block until the snapshot is complete (``overlap`` mode; immediate otherwise). Returns False
         if ``timeout`` seconds passed first. A failed snapshot is raised by :meth:`wait`."""
         return self._progress is None or self._progress.snapshot_done.wait(timeout)
+
+    def outcome(self, timeout: float | None = None) -> BaseException | None:
+        """Block until the save has committed (None) or failed (its error), without reporting the
+        failure: it is still raised once, by :meth:`wait` or by the engine's next ``save()`` / ``wait()``.
+        Raises concurrent.futures.TimeoutError if ``timeout`` seconds pass first."""
+        return self._future.exception(timeout)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save commits. Raises SaveFailedError (or the save's error) if it failed,

@@ -22,6 +22,11 @@ Save sequence (every rank of the group), by thread:
 :class:`~unickpt.saving.request.SaveStats` counts each save's collectives (``collectives_plan``,
 ``collectives_commit``). The save thread and the commit thread use two different private gloo groups
 (*plan* and *background*), so their collectives never interleave.
+
+A failure of a save after its call returned is raised once, on every rank, by the engine's next
+``save()`` (when that save has finished on every rank: :meth:`Saver.report_failures`, 1 collective)
+or ``wait()`` / ``close()``, as one EarlierSaveFailedError naming every such save (docs/design.md,
+"Failures of asynchronous saves").
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from typing import Any, Callable
 
 from ..dist.comm import Comm, local_synchronization
 from ..dist.p2p import P2P
+from ..errors import EarlierSaveFailedError
 from ..lifecycle.directory import prepare_target
 from ..options import SaveOptions, check_options
 from ..storage import open_storage
@@ -62,10 +68,14 @@ class Saver:
         local_world_size: ranks on this host (sizes the default staging ring).
         busy_elsewhere: ``busy_elsewhere(path)``: a save into ``path`` is in flight in another engine
             of this process (a leftover of this process is replaced only when none is).
+        report_earlier: :meth:`save` first raises the failures of earlier saves that have finished on
+            every rank (:meth:`report_failures`; 1 collective when an earlier save was not yet seen
+            finished everywhere). Off for a saver whose owner waits for each handle itself.
     """
 
     def __init__(self, comm: Comm, options: SaveOptions, run_id: str, *, local_world_size: int | None = None,
-                 timeout_s: float = 1800.0, busy_elsewhere: Callable[[str], bool] = lambda path: False):
+                 timeout_s: float = 1800.0, busy_elsewhere: Callable[[str], bool] = lambda path: False,
+                 report_earlier: bool = False):
         self.comm, self.options, self.run_id = comm, options, run_id
         self.rank, self.world_size = comm.rank, comm.world_size
         self._busy_elsewhere = busy_elsewhere
@@ -82,6 +92,8 @@ class Saver:
         self.pipeline = SavePipeline(p2p, self.rank, self.world_size, self.uploader, local_world_size)
         self.agreement = PlanAgreement(comm)
         self.committer = Committer(comm, run_id)
+        # the commit never removes a failed save's directory while a save into it is in flight here
+        self.committer.busy = lambda p, others=0: self.in_flight(p, others) or self._busy_elsewhere(p)
         self.guards = StepGuards()
         self._commits = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unickpt-commit")
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -91,19 +103,29 @@ class Saver:
         self._in_flight: dict[str, int] = {}  # paths of saves not yet finished (how many)
         self._lock = threading.Lock()
         self._seq = 0
+        self._agreed = 0  # every save numbered below has finished on every rank (changed on every rank alike)
+        self._report_earlier = report_earlier
         self._closed = False
 
     # -- caller's thread ---------------------------------------------------------------------------
     def save(self, path: str, state: dict, *, async_save: bool = False, storage_options: dict | None = None,
              step: int | None = None, framework: str | None = None, extra: dict | None = None,
              on_commit: Callable[[], None] | None = None, allow_pickle: bool = False,
-             options: SaveOptions | None = None) -> SaveHandle:
+             options: SaveOptions | None = None,
+             on_error: Callable[[BaseException], bool] | None = None) -> SaveHandle:
         """Save ``state`` to ``path`` (see :func:`unickpt.save`): the snapshot, then the hand-off to the
         save thread, then (``sync`` snapshot mode) the wait until everything is staged. Planning errors
-        are raised here in ``sync`` snapshot mode, on the handle in ``overlap`` mode."""
+        are raised here in ``sync`` snapshot mode, on the handle in ``overlap`` mode.
+
+        With ``report_earlier``, first raises EarlierSaveFailedError for earlier saves that failed
+        (:meth:`report_failures`; this save is then not started), and, after a synchronous save
+        committed, for earlier ones found failed meanwhile. ``on_error``: see
+        :attr:`~unickpt.saving.request.SaveHandle.on_error`."""
         t0 = time.perf_counter()
         if self._closed:
             raise RuntimeError("unickpt: this engine is closed (its saves ended with close()); use another engine")
+        if self._report_earlier:
+            self.report_failures()
         # options given to this call are checked as part of the save, so that a bad value on one rank is
         # raised on every rank by the plan agreement instead of leaving the others waiting
         opts, opts_error = self.options, None
@@ -129,9 +151,12 @@ class Saver:
             self._in_flight[path] = self._in_flight.get(path, 0) + 1
         if snap.optimizers:
             self.guards.guard(progress, stats, snap.optimizers)
-        handle = SaveHandle(self._commits.submit(self._commit, req, progress, snap, stats), stats, progress)
-        with self._lock:
-            self._pending = [h for h in self._pending if not (h.done() and h.error_reported)] + [handle]
+        handle = SaveHandle(self._commits.submit(self._commit, req, progress, snap, stats), stats, progress, seq=seq,
+                            on_error=on_error)
+        with self._lock:  # finished saves whose outcome needs no report are dropped
+            self._pending = [h for h in self._pending
+                             if not (h.done() and (h.error_reported or h._future.exception() is None))]
+            self._pending.append(handle)
         # the hand-off comes last: the save thread wakes up and competes for the GIL
         self._queue.put((req, progress, snap, stats))
         if snap.must_wait:
@@ -145,6 +170,9 @@ class Saver:
         stats.stall_s = time.perf_counter() - t0
         if not async_save:
             handle.wait()
+            if self._report_earlier:  # every save up to this one has finished, on every rank
+                self._agreed = seq + 1
+                self._report(seq + 1)
         return handle
 
     # -- save thread --------------------------------------------------------------------------------
@@ -196,7 +224,7 @@ class Saver:
         try:
             return self.agreement.agree(req.path, snap.local, snap.signature, snap.error, stats, req.options,
                                         lambda plan, full: self._check_replicas(snap, plan, full, stats),
-                                        step=req.step)
+                                        step=req.step, leaf=snap.leaf)
         except BaseException:
             for storage, path in made:
                 try:
@@ -249,21 +277,69 @@ class Saver:
             if h._progress is not None:
                 h._progress.planned.wait()
 
-    def wait(self) -> None:
-        """Wait for every pending save; raise the first error not already raised by its handle."""
+    def report_failures(self) -> None:
+        """Raise the failures of earlier saves that have finished on every rank and were not raised yet
+        (caller's thread; every rank of the group calls it at the same point and raises the same error).
+
+        Which saves have finished everywhere is agreed: **1 collective** (an all-reduce of each rank's
+        count of finished saves, on the plan group, after the pending plans are agreed), run only when
+        a save started since the last agreement (on every rank alike: a rank's own ``wait()`` does not
+        count); none in a world of one. Saves finish in order (one commit thread), so the agreed count
+        is a prefix of the saves.
+
+        Raises EarlierSaveFailedError naming every failed save's step (or path), oldest first, with the
+        oldest one's error as ``__cause__``; a save whose ``on_error`` hook returns True is left out."""
+        if self._agreed >= self._seq:  # the same on every rank: they all skip the collective, or none does
+            return
         with self._lock:
-            pending, self._pending = self._pending, []
-        first: BaseException | None = None
+            upto = min([h.seq for h in self._pending if not h.done()], default=self._seq)
+        if self.world_size > 1:
+            import torch
+            import torch.distributed as dist
+
+            self.wait_planned()  # the caller's collective must not interleave with the save thread's
+            count = torch.tensor([upto], dtype=torch.int64)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.comm.plan_group)
+            upto = int(count.item())
+        self._agreed = upto
+        self._report(upto)
+
+    def _report(self, upto: int) -> None:
+        """Report the unreported failures of the saves numbered below ``upto`` (all finished on every
+        rank): each to its handle's ``on_error`` hook, the rest raised as one EarlierSaveFailedError."""
+        with self._lock:
+            finished = [h for h in self._pending if h.seq < upto]
+            self._pending = [h for h in self._pending if h.seq >= upto]
+        failed = []
+        for h in finished:
+            error = h._future.exception()
+            if error is not None and not h.error_reported:
+                h.error_reported = True
+                failed.append((h.stats.step, h.path, error, h.on_error))
+        raised = []
+        for step, path, error, hook in failed:
+            if hook is not None:
+                one = EarlierSaveFailedError([(step, path, error)])
+                one.__cause__ = error
+                if hook(one):
+                    continue
+            raised.append((step, path, error))
+        if raised:
+            raise EarlierSaveFailedError(raised) from raised[0][2]
+
+    def wait(self) -> None:
+        """Wait for every pending save; then raise the failures not raised yet (EarlierSaveFailedError
+        naming every failed save, as :meth:`report_failures`; no collective: every save has finished)."""
+        upto = self._seq
+        with self._lock:
+            pending = list(self._pending)
         for handle in pending:
             try:
                 handle._future.result()
-            except BaseException as e:  # keep waiting for the rest
-                if not handle.error_reported:
-                    handle.error_reported = True
-                    first = first or e
+            except BaseException:  # reported below, with the others
+                pass
         self.guards.remove_finished()
-        if first is not None:
-            raise first
+        self._report(upto)
 
     def close(self) -> None:
         """Wait for the pending saves, then stop the threads, free the staging memory and destroy the

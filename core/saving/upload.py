@@ -10,6 +10,7 @@ commits first. No collective.
 """
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import threading
@@ -79,7 +80,11 @@ class Uploader:
                 yield buf
                 off += n
 
-        return remote.write_file(dst, chunks())
+        written = remote.write_file(dst, chunks())
+        held = remote.size(dst)  # checked before the commit: a store that acknowledged more than it kept
+        if held != size:
+            raise OSError(errno.EIO, f"{dst}: {size} bytes were uploaded, the store holds {held} (a short write)")
+        return written
 
     @staticmethod
     def commit(request: Any, data: bytes) -> None:

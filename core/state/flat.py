@@ -36,7 +36,7 @@ from .writeback import set_module_state
 from .leaves import PerRank, Shard
 
 __all__ = ["TensorLeaf", "FlatState", "flatten", "saved_leaves", "dtensor_box", "check_leaf_fits",
-           "optimizers_untouched"]
+           "optimizers_untouched", "undone_on_error"]
 
 
 @dataclass
@@ -105,6 +105,42 @@ def optimizers_untouched():
         yield
     finally:
         _UNTOUCHED.depth -= 1
+
+
+_CREATED = threading.local()  # per thread: the records of the open undone_on_error() contexts
+_ABSENT = object()
+
+
+@contextlib.contextmanager
+def undone_on_error():
+    """A load's guard (on this thread): :func:`flatten` with ``for_load=True`` creates the state of an
+    optimizer that has none (:func:`create_adam_state`, or torch's zero step), to have tensors to load
+    into. If the body raises, each optimizer that had no state when a flatten inside it reached it gets
+    its state emptied again (the same ``optimizer.state`` object, empty) and torch's LR-scheduler flag
+    ``_opt_called`` back as it was: a refused or failed load leaves such an optimizer exactly as it was.
+    The error is re-raised unchanged."""
+    record: list[tuple[torch.optim.Optimizer, Any]] = []
+    stack = _CREATED.__dict__.setdefault("stack", [])
+    stack.append(record)
+    try:
+        yield
+    except BaseException:
+        for optim, called in record:
+            optim.state.clear()
+            if called is _ABSENT:
+                optim.__dict__.pop("_opt_called", None)
+            else:
+                optim._opt_called = called  # type: ignore[attr-defined]
+        raise
+    finally:
+        stack.pop()  # this context's record: contexts on one thread close innermost first
+
+
+def _note_stateless(optim: torch.optim.Optimizer) -> None:
+    """Remember, for the innermost :func:`undone_on_error`, an optimizer without state (before a load creates it)."""
+    stack = getattr(_CREATED, "stack", None)
+    if stack and not optim.state and all(o is not optim for o, _ in stack[-1]):
+        stack[-1].append((optim, optim.__dict__.get("_opt_called", _ABSENT)))
 
 
 def create_adam_state(optim: torch.optim.Optimizer) -> bool:
@@ -294,7 +330,8 @@ def flatten(state: dict, *, for_load: bool, allow_pickle: bool = False) -> FlatS
 
     A save leaves every optimizer as it is (:func:`optimizers_untouched`: one that has not stepped
     is saved with an empty ``state``). A load lets torch initialise an empty optimizer's state first,
-    so that its moments exist as tensors to load into (torch's own load path does the same).
+    so that its moments exist as tensors to load into (torch's own load path does the same); inside
+    :func:`undone_on_error` that state is emptied again if the load fails.
     """
     if not for_load:
         with optimizers_untouched():
@@ -322,6 +359,7 @@ def _flatten(state: dict, *, for_load: bool, allow_pickle: bool) -> FlatState:
     had_state = {id(o): bool(o.state) for o in optimizers} if for_load else {}  # before any is created
     if for_load:  # the moments to load into, without torch's zero step (create_adam_state)
         for o in optimizers:
+            _note_stateless(o)
             create_adam_state(o)
     # a module with exactly one optimizer: both state dicts from one ``get_state_dict`` call (it
     # verifies the model once; two separate calls cost ~1.5x as much, all of it in the caller's stall)
@@ -351,6 +389,8 @@ def _flatten(state: dict, *, for_load: bool, allow_pickle: bool) -> FlatState:
                 raise ValueError(f"{fqn!r}: no nn.Module in the state holds this optimizer's parameters; "
                                  "put the model in the same state dict as its optimizer")
             sd = combined.pop(id(x), None)
+            if sd is None and for_load:
+                _note_stateless(x)  # one inside a stateful object: torch's zero step may create its state
             return ((get_optimizer_state_dict(model, x) if sd is None else sd),
                     # not strict: the load's key check has compared the state with the checkpoint;
                     # torch's would also refuse a parameter without saved state, which

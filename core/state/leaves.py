@@ -95,6 +95,9 @@ class PerRank:
             :class:`~unickpt.errors.PerRankReshardError`.
     """
 
+    how_to_reshard = "PerRank(obj, reshard=fn)"
+    """How to give this kind of leaf a ``reshard`` rule (what a :class:`~unickpt.errors.PerRankReshardError` says)."""
+
     def __init__(self, obj: Any, reshard: ReshardFn | None = None):
         self.value = obj
         self.reshard = reshard

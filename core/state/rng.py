@@ -53,6 +53,8 @@ class RNGState(PerRank):
             ``RNGState(reshard=lambda states, rank, ws: states[rank % len(states)])``.
     """
 
+    how_to_reshard = "RNGState(reshard=fn)"
+
     def __init__(self, reshard: ReshardFn | None = None):
         super().__init__(_Generators(), reshard=reshard)
 

@@ -46,9 +46,12 @@ class StorageBackend:
 
     # -- queries ----------------------------------------------------------------------------------
     def exists(self, path: str) -> bool:
+        """Whether ``path`` exists. False only when it is not there: a look that fails otherwise (an
+        I/O error, permission, throttling past the retries) raises OSError, never reads as absent."""
         raise NotImplementedError
 
     def isdir(self, path: str) -> bool:
+        """Whether ``path`` is a directory (object stores: a prefix); errors as :meth:`exists`."""
         raise NotImplementedError
 
     def islink(self, path: str) -> bool:
@@ -56,7 +59,8 @@ class StorageBackend:
         return False
 
     def listdir(self, path: str) -> list[str]:
-        """Names (not paths) directly under ``path``, sorted; [] if it does not exist."""
+        """Names (not paths) directly under ``path``, sorted; [] if it does not exist. A listing that
+        fails otherwise raises OSError (never [] : "no checkpoint" on intact data)."""
         raise NotImplementedError
 
     def size(self, path: str) -> int:
@@ -106,6 +110,7 @@ class StorageBackend:
     def read_into(self, path: str, ranges: list[tuple[int, int]], dest: memoryview, base: int) -> None:
         """Read each ``(file_offset, length)`` range into ``dest[file_offset - base :]``.
 
-        Raises EOFError if the file is shorter than a range (a truncated checkpoint).
+        Raises EOFError, naming the file's length and the length needed, if the file is shorter than
+        a range (a truncated checkpoint); local files are checked before any byte is read.
         """
         raise NotImplementedError

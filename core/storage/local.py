@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import uuid
 from typing import Iterable
 
@@ -37,18 +38,29 @@ class LocalStorage(StorageBackend):
         return os.path.join(*parts)
 
     # -- queries ----------------------------------------------------------------------------------
+    def _stat(self, path: str) -> os.stat_result | None:
+        """``os.stat``, None when the path is not there; other errors (EIO, EACCES, ELOOP) raise:
+        unlike ``os.path.exists``, a failing look is never "absent"."""
+        try:
+            return os.stat(self.strip(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
     def exists(self, path: str) -> bool:
-        return os.path.exists(self.strip(path))
+        return self._stat(path) is not None
 
     def isdir(self, path: str) -> bool:
-        return os.path.isdir(self.strip(path))
+        st = self._stat(path)
+        return st is not None and stat.S_ISDIR(st.st_mode)
 
     def islink(self, path: str) -> bool:
         return os.path.islink(self.strip(path))
 
     def listdir(self, path: str) -> list[str]:
-        p = self.strip(path)
-        return sorted(os.listdir(p)) if os.path.isdir(p) else []
+        try:
+            return sorted(os.listdir(self.strip(path)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
 
     def size(self, path: str) -> int:
         return os.path.getsize(self.strip(path))
@@ -140,6 +152,11 @@ class LocalStorage(StorageBackend):
         dest = dest.cast("B")
         fd = os.open(self.strip(path), os.O_RDONLY)
         try:
+            need = max((off + length for off, length in ranges), default=0)
+            have = os.fstat(fd).st_size
+            if need > have:  # checked before reading: a truncated file never reads back partly
+                raise EOFError(f"{path}: the file holds {have} bytes, the checkpoint needs {need} "
+                               "(the file is truncated)")
             for off, length in ranges:
                 got = 0
                 while got < length:

@@ -47,11 +47,20 @@ class FsspecStorage(StorageBackend):
         return posixpath.join(*parts)
 
     # -- queries ----------------------------------------------------------------------------------
+    def _info(self, path: str) -> dict | None:
+        """fsspec's ``info`` (retried), None when not found. Not ``fs.exists`` / ``fs.isdir``: they
+        read any error (a throttled HEAD, a permission error) as "absent"."""
+        try:
+            return self._remote("info", path, self.fs.info, path)
+        except FileNotFoundError:
+            return None
+
     def exists(self, path: str) -> bool:
-        return self._remote("exists", path, self.fs.exists, path)
+        return self._info(path) is not None
 
     def isdir(self, path: str) -> bool:
-        return self._remote("isdir", path, self.fs.isdir, path)
+        info = self._info(path)
+        return info is not None and info.get("type") == "directory"
 
     def listdir(self, path: str) -> list[str]:
         try:

@@ -12,7 +12,9 @@ Operations (``Fault.op``): ``"write"`` (a file written through ``write_file``: d
 objects), ``"fsync"`` (the same, failing after its bytes were written: the durability step),
 ``"rename"`` (``write_atomic``: the atomic replace that commits ``metadata.json`` and moves
 ``latest``), ``"read"`` (``read_into`` / ``read_bytes``), ``"rm"``, ``"mkdir"`` (``mkdir`` /
-``makedirs``), ``"marker"`` (``write_small``: the writer record). Actions: ``"error"`` (raise
+``makedirs``), ``"marker"`` (``write_small``: the writer record), ``"list"`` (``listdir``: a
+directory listing, as an object store's LIST), ``"stat"`` (``exists`` / ``isdir`` / ``size``: a look
+at one path, as an object store's HEAD; an error here is not "not found"). Actions: ``"error"`` (raise
 ``OSError(errno)``), ``"slow"`` (sleep ``delay_s`` first), ``"hold"`` (wait until
 :meth:`Fault.release` or ``delay_s``), ``"truncate"`` (``write``: store only ``keep`` of the bytes and
 report success: a lying disk), ``"kill"`` (SIGKILL this process, with ``keep`` of a file's bytes
@@ -39,7 +41,7 @@ from ..storage import StorageBackend, add_wrapper
 
 __all__ = ["Fault", "FaultyStorage", "inject", "install"]
 
-OPS = ("write", "fsync", "rename", "read", "rm", "mkdir", "marker")
+OPS = ("write", "fsync", "rename", "read", "rm", "mkdir", "marker", "list", "stat")
 ACTIONS = ("error", "slow", "hold", "truncate", "kill")
 
 
@@ -136,20 +138,26 @@ class FaultyStorage(StorageBackend):
     def join(self, *parts: str) -> str:
         return self.inner.join(*parts)
 
+    def _query(self, op: str, path: str, fn: Callable, *args):
+        later = self._before(op, path)
+        out = fn(*args)
+        self._after(later, path)
+        return out
+
     def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
+        return self._query("stat", path, self.inner.exists, path)
 
     def isdir(self, path: str) -> bool:
-        return self.inner.isdir(path)
+        return self._query("stat", path, self.inner.isdir, path)
 
     def islink(self, path: str) -> bool:
         return self.inner.islink(path)
 
     def listdir(self, path: str) -> list[str]:
-        return self.inner.listdir(path)
+        return self._query("list", path, self.inner.listdir, path)
 
     def size(self, path: str) -> int:
-        return self.inner.size(path)
+        return self._query("stat", path, self.inner.size, path)
 
     def du(self, path: str) -> int:
         return self.inner.du(path)

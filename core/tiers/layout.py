@@ -241,19 +241,29 @@ def recycle_into(spare_dir: str, max_spares: int) -> Callable[[str], None]:
     return recycle
 
 
-def retain_steps(rank_dir: str, keep: int, protected: int | None, busy: Callable[[str], bool],
-                 recycle: Callable[[str], None] | None = None) -> list[int]:
-    """Retention of one rank's copies of one kind: keep the newest ``keep`` committed steps and the
-    newest committed step at or below ``protected`` (the job's newest common step), remove the other
-    committed steps and the unfinished ones (``step_<N>`` without ``metadata.json``: a crashed save's)
-    unless ``busy(path)`` (a save in flight). Transfers in progress live in dot-directories, which
-    their own threads clean up. ``recycle``: see :func:`remove_tree` (committed copies only).
-    Returns the steps removed."""
+def retain_steps(rank_dir: str, keep: int, protected: int | None | Iterable[int | None], busy: Callable[[str], bool],
+                 recycle: Callable[[str], None] | None = None, settled: int | None = None,
+                 unsettled_max: int = 0) -> list[int]:
+    """Retention of one rank's copies of one kind. Keeps the committed steps that are
+
+    * among the newest ``keep``;
+    * newer than ``settled``, the newest ``unsettled_max`` of them (0: none): ``settled`` is the newest
+      step every rank is known to have finished (None: none is), so that any newer step may still
+      become the job's last common step when the slowest rank finishes it (a rank ahead keeps them);
+    * the newest at or below each step of ``protected`` (an int, or several; None entries are ignored:
+      the job's common steps, so that every rank keeps the same one);
+
+    and removes the other committed steps and the unfinished ones (``step_<N>`` without
+    ``metadata.json``: a crashed save's) unless ``busy(path)`` (a save in flight). Transfers in progress
+    live in dot-directories, which their own threads clean up. ``recycle``: see :func:`remove_tree`
+    (committed copies only). Returns the steps removed."""
     entries = _steps(rank_dir)
     committed = [s for s, ok in entries if ok]
     keep_set = set(committed[-keep:]) if keep > 0 else set()
-    if protected is not None:
-        older = [s for s in committed if s <= protected]
+    if unsettled_max > 0:
+        keep_set.update([s for s in committed if settled is None or s > settled][-unsettled_max:])
+    for p in [protected] if protected is None or isinstance(protected, int) else protected:
+        older = [s for s in committed if p is not None and s <= p]
         if older:
             keep_set.add(max(older))
     removed = []

@@ -8,13 +8,16 @@ What runs where (every rank of the checkpointer's group):
   (a :class:`~unickpt.saving.saver.Saver` of this process alone: the staging rings, drain threads and
   commit thread of the save path, writing ``SaveOptions.partial`` checkpoints into tmpfs) and the peer
   threads (:mod:`.peer`).
-- **per step** (:meth:`Tiers.agree`, caller's thread): **1 collective**, an all-reduce of two integers:
-  whether any rank has received a preemption notice, and the job's *watermark*, the newest step that
-  every rank has committed in memory (and, with tier 1, whose copy its holder has received); pipelined:
-  posted at one step and read at the next, so that the caller never waits for it. Then
-  retention (:func:`~unickpt.tiers.layout.retain_steps`): each rank keeps its newest
-  ``memory_keep`` copies per tier and the newest one at or below the watermark, so that a rank one step
-  ahead never deletes the job's last common step; nothing grows over time.
+- **per step** (:meth:`Tiers.agree`, caller's thread): **1 collective**, an all-reduce of three integers:
+  whether any rank has received a preemption notice, the newest step that every rank has *finished*
+  (committed in its tier 0), and the job's *watermark*, the newest step that every rank has committed
+  and, with tier 1, whose copy its holder has received; pipelined: posted at one step and read at the
+  next, so that the caller never waits for it (both are lower bounds, a step old). Then retention
+  (:func:`~unickpt.tiers.layout.retain_steps`, :meth:`Tiers._retain`): each rank keeps its newest
+  ``memory_keep`` copies per tier, every copy newer than the finished step (one of them may become the
+  job's last common step when the slowest rank finishes it) and the newest at or below the finished
+  step and the watermark, so that a rank ahead never deletes the job's last common step; nothing grows
+  over time (at most ``MAX_UNSETTLED`` copies newer than the finished step).
 - **memory save** (:meth:`Tiers.memory_save`): the caller's thread takes the snapshot (the stall: the
   copy into the staging ring, as for a persistent save); the drain threads checksum and write it to
   ``own/rank_<r>_of_<W>/step_<N>/`` in this node's memory directory and the commit thread writes its
@@ -53,17 +56,32 @@ log = logging.getLogger("unickpt")
 
 _LIVE: "weakref.WeakSet[Tiers]" = weakref.WeakSet()
 MAX_SPARES = 1  # data files of removed copies kept for the next memory save (in-place staging)
+# copies per tier and rank kept newer than the agreed finished step (retention): the ranks' skew, the
+# pipelined agreement and the saves in flight are a few steps; the bound is for a rank that never
+# finishes a memory save (its failures would otherwise make every other rank keep every copy)
+MAX_UNSETTLED = 8
 
 
 @dataclass(frozen=True)
 class Agreement:
-    """The outcome of one step's agreement, equal on every rank: ``preempt`` (some rank received a
-    preemption notice), ``watermark`` (the newest step every rank can restore from memory, or None)
-    and ``seconds`` (this rank's time in the call)."""
+    """The outcome of one step's agreement: ``preempt`` (some rank received a preemption notice; equal
+    on every rank), ``watermark`` (the newest step that every rank has committed in tier 0 and, with
+    tier 1, whose peer copy its holder has received; or None), ``seconds`` (this rank's time in the
+    call) and ``finished`` (the newest step every rank has committed in tier 0, or None; at least
+    ``watermark``). The two steps are lower bounds, at most a step old (pipelined; a rank may see the
+    newer of two all-reduces, so they may differ by a step between ranks), and only grow."""
 
     preempt: bool
     watermark: int | None
     seconds: float
+    finished: int | None = None
+
+
+def _agreement(t: torch.Tensor, seconds: float) -> Agreement:
+    """An :class:`Agreement` from an all-reduced ``[flag, -finished, -watermark]`` (MAX of the negated
+    contributions: the minimum over the ranks)."""
+    flag, finished, watermark = bool(t[0].item()), -int(t[1].item()), -int(t[2].item())
+    return Agreement(flag, watermark if watermark >= 0 else None, seconds, finished if finished >= 0 else None)
 
 
 class _Done:
@@ -137,15 +155,16 @@ class Tiers:
         _LIVE.add(self)
 
     # -- the per-step agreement -----------------------------------------------------------------------
-    def _contribution(self) -> int:
+    def _contribution(self) -> tuple[int, int]:
+        """(newest committed own step, the same and newest step whose peer copy the holder received)."""
         own = self._own_newest
         if self.peer is not None and self.peer.holder is not None and self.peer.broken is None:
-            return min(own, self.peer.sent_newest)
-        return own
+            return own, min(own, self.peer.sent_newest)
+        return own, own
 
     def agree(self) -> Agreement:
-        """Caller's thread, every step (**1 collective**: an all-reduce of 2 int64 on the private plan
-        group): has any rank received a preemption notice, and the job's memory watermark."""
+        """Caller's thread, every step (**1 collective**: an all-reduce of 3 int64 on the private plan
+        group): has any rank received a preemption notice, and the job's memory watermarks."""
         return self.finish_agreement(self.start_agreement())
 
     def start_agreement(self) -> tuple:
@@ -155,14 +174,16 @@ class Tiers:
         Pipelined (more than one rank): the all-reduce posted at one step is finished at the *next*
         step's :meth:`finish_agreement`, so its latency (about 1 ms for 4 gloo ranks on this machine's
         2 cores) hides behind a training step instead of adding to it; a notice is acted on by every
-        rank at the same step, one step after it entered an all-reduce, and the watermark is one step
-        old (older is safe: it only keeps an older common copy). The first call also posts one that it
+        rank at the same step, one step after it entered an all-reduce, and the watermarks are a step
+        old (older is safe: retention only keeps more copies). The first call also posts one that it
         finishes itself (so the first step's agreement is current). One rank: no collective, current
-        values."""
+        values. When the due all-reduce has completed (normally), retention runs here already, before
+        this step's memory save (and again in :meth:`finish_agreement`)."""
         t0 = time.perf_counter()
         with self._lock:
             self._agreeing = True
-        t = torch.tensor([1 if self.notice.flag else 0, -self._contribution()], dtype=torch.int64)
+        own, both = self._contribution()
+        t = torch.tensor([1 if self.notice.flag else 0, -own, -both], dtype=torch.int64)
         if self.world_size == 1:
             return t0, t, None, time.perf_counter() - t0
         import torch.distributed as dist
@@ -175,24 +196,35 @@ class Tiers:
         nxt = t.clone()
         self._in_flight = (nxt, dist.all_reduce(nxt, op=dist.ReduceOp.MAX, group=self.comm.plan_group,
                                                 async_op=True))
-        return t0, due[0], due[1], time.perf_counter() - t0
+        posted = time.perf_counter() - t0
+        if self.memory and due[1].is_completed():
+            # normally complete (posted a step ago): retention now, before this step's copy, which then
+            # reuses a removed copy's file instead of new memory
+            due[1].wait()
+            self._retain(_agreement(due[0], 0.0))
+        return t0, due[0], due[1], posted
 
     def finish_agreement(self, pending: tuple) -> Agreement:
         """The second half of :meth:`agree`: wait for the due all-reduce (posted a step ago: normally
         complete), then retention. ``seconds`` of the agreement counts the posting and this wait, not
-        what ran between them."""
+        what ran between them. The watermarks come from the all-reduce posted at this step instead when
+        it has completed already (the ranks are in step): fresher lower bounds, so that retention keeps
+        fewer copies; the flag is always the due one's (every rank acts on a notice at the same step)."""
         _, t, work, posted = pending
         t1 = time.perf_counter()
         if work is not None:
             work.wait()
-        flag, mine = bool(t[0].item()), -int(t[1].item())
+        fresh = self._in_flight
+        if work is not None and fresh is not None and fresh[1].is_completed():
+            fresh[1].wait()  # complete: returns at once
+            t = torch.cat([t[:1], torch.minimum(t[1:], fresh[0][1:])])  # the newer steps (negated)
         seconds = posted + time.perf_counter() - t1
         self.agree_s.append(seconds)
-        agreement = Agreement(flag, mine if mine >= 0 else None, seconds)
+        agreement = _agreement(t, seconds)
         with self._lock:
             self.last_agreement, self._agreeing = agreement, False
         if self.memory:
-            self._retain(agreement.watermark)
+            self._retain(agreement)
         return agreement
 
     def _drain_agreement(self, timeout_s: float = 30.0) -> None:
@@ -210,16 +242,31 @@ class Tiers:
         assert self.saver is not None
         return self.saver.in_flight(path) or (self.peer is not None and self.peer.sending == path)
 
-    def _retain(self, watermark: int | None, own_only: bool = False) -> None:
+    def _retain(self, agreement: Agreement | None, own_only: bool = False) -> None:
         """Retention (:func:`~unickpt.tiers.layout.retain_steps`) of this rank's copies and, unless
-        ``own_only``, of those it holds for its senders (caller's thread, or the commit thread)."""
-        keep = self.options.memory_keep
+        ``own_only``, of those it holds for its senders (caller's thread, or the commit thread), with
+        ``agreement``'s watermarks (None: before the first; no step is known finished).
+
+        Own copies: the newest ``memory_keep``, every one newer than the agreed ``finished`` step (a
+        rank ahead may hold the step the others are finishing: the job's next common step), the
+        newest at or below ``finished`` (the job's last common step) and at or below ``watermark``
+        (the newest step restorable after the loss of a node). Peer copies: likewise with
+        ``watermark`` alone (they count in it)."""
+        if agreement is None:
+            agreement = Agreement(False, None, 0.0)
+        keep, watermark = self.options.memory_keep, agreement.watermark
         with self._retain_lock:
-            retain_steps(self.layout.rank_root("own", self.rank, self.world_size), keep, watermark, self._busy,
-                         recycle_into(self._spare_dir, MAX_SPARES))
+            retain_steps(self.layout.rank_root("own", self.rank, self.world_size), keep,
+                         (agreement.finished, watermark), self._busy, recycle_into(self._spare_dir, MAX_SPARES),
+                         settled=agreement.finished, unsettled_max=MAX_UNSETTLED)
             if self.peer is not None and not own_only:
                 for s in self.peer.senders:
-                    retain_steps(self.layout.rank_root("peer", s, self.world_size), keep, watermark, lambda p: False)
+                    self._retain_peer(s, watermark)
+
+    def _retain_peer(self, sender: int, watermark: int | None) -> None:
+        """Retention of the copies held for ``sender`` (see :meth:`_retain`); the caller holds the lock."""
+        retain_steps(self.layout.rank_root("peer", sender, self.world_size), self.options.memory_keep, watermark,
+                     lambda p: False, settled=watermark, unsettled_max=MAX_UNSETTLED)
 
     # -- memory saves ----------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -300,7 +347,7 @@ class Tiers:
                 return
             last = self.last_agreement
         try:
-            self._retain(last.watermark if last is not None else None, own_only=True)
+            self._retain(last, own_only=True)
         except OSError as e:  # pragma: no cover - retention is retried at the next step
             log.warning("unickpt: memory retention failed: %s", e)
 
@@ -308,8 +355,7 @@ class Tiers:
         """Receive thread: a peer copy landed; the copies it replaces go (with the last watermark)."""
         last = self.last_agreement
         with self._retain_lock:
-            retain_steps(self.layout.rank_root("peer", sender, self.world_size), self.options.memory_keep,
-                         last.watermark if last is not None else None, lambda p: False)
+            self._retain_peer(sender, last.watermark if last is not None else None)
 
     def _reap(self, wait: bool = False) -> None:
         """Report finished memory saves that failed (a warning: the older copies stay)."""

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import sys
 from typing import Any, Callable, Iterator, Sequence
 
@@ -26,6 +27,7 @@ __all__ = ["main"]
 
 EXIT_FOUND = 1  # verify: damage; diff: differences
 EXIT_ERROR = 2
+EXIT_PIPE = 128 + 13  # stdout's reader left (`unickpt ls | head`): what a shell reports for a SIGPIPE death
 
 
 @contextlib.contextmanager
@@ -299,7 +301,7 @@ def _parser() -> argparse.ArgumentParser:
     for parent, default in ((parser, False), (common, argparse.SUPPRESS)):
         parent.add_argument("-q", "--quiet", action="store_true", default=default, help="no progress bars")
         parent.add_argument("-v", "--verbose", action="store_true", default=default,
-                            help="log unickpt's INFO lines (one per save and load)")
+                            help="log unickpt's lines (one per save and load, at DEBUG)")
         parent.add_argument("--debug", action="store_true", default=default, help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -384,15 +386,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.verbose:
         logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
-        logging.getLogger("unickpt").setLevel(logging.INFO)
+        logging.getLogger("unickpt").setLevel(logging.DEBUG)
     try:
-        return args.fn(args)
+        code = args.fn(args)
+        sys.stdout.flush()  # here, not at exit: a reader that left is seen below
+        return code
+    except BrokenPipeError as e:
+        if not _stdout_closed():  # another pipe (a storage connection): an error like any other
+            print(f"unickpt {args.command}: {_one_line(e)}", file=sys.stderr)
+            return EXIT_ERROR
+        return EXIT_PIPE  # the reader of stdout left (`| head`): stop quietly, as a command killed by SIGPIPE
     except BaseException as e:  # any failure is exit 2, never 1 (which means damage / differences found);
         # BaseException: torch's DCP CheckpointException derives from it
         if args.debug or isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
             raise
         print(f"unickpt {args.command}: {_one_line(e)}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout's reader has gone (its pipe is broken); if so, stdout is pointed at ``/dev/null``
+    so that nothing more (the flush at exit) fails on it."""
+    try:
+        poller = select.poll()  # the write end of a pipe whose reader left reports POLLERR
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poller.poll(0)):
+            return False
+    except (AttributeError, OSError, ValueError):  # no poll() here, or no stdout file: assume it was stdout
+        pass
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return True
 
 
 def _one_line(e: BaseException) -> str:

@@ -32,8 +32,10 @@ from typing import Callable
 
 import torch
 
-from ..errors import UnickptError
+from ..errors import CheckpointNotFoundError, UnickptError
 from ..format.dtypes import str_to_dtype
+from ..loading.checks import not_a_checkpoint
+from ..storage import open_storage
 from .reader import CheckpointReader
 
 __all__ = ["ExportResult", "export_checkpoint", "parse_size", "parse_dtype", "select_keys", "SAFETENSORS_DTYPES"]
@@ -184,6 +186,18 @@ class _Tensors:
         return self.reader.read_resolved(self.resolved[n]) if n in self.resolved else self.reader.read(self.names[n])
 
 
+def _open_reader(path: str, storage_options: dict | None, verify: bool) -> CheckpointReader:
+    """The reader of ``path``; a path without ``metadata.json`` that is a file or a checkpoint root says so
+    (:func:`~unickpt.loading.checks.not_a_checkpoint`)."""
+    try:
+        return CheckpointReader(path, storage_options, verify=verify)
+    except (CheckpointNotFoundError, NotADirectoryError):
+        better = not_a_checkpoint(open_storage(path, storage_options), path)
+        if better is None:
+            raise
+        raise better from None
+
+
 def export_checkpoint(path: str, out: str, *, format: str = "safetensors", max_shard_size: int | str = "5GB",
                       dtype: str | torch.dtype | None = None, keys: str | None = None, strip_prefix: bool = True,
                       storage_options: dict | None = None, verify: bool = True,
@@ -220,18 +234,17 @@ def export_checkpoint(path: str, out: str, *, format: str = "safetensors", max_s
     extra_files: dict[str, bytes] = {}
     if to is not None:
         from ..loading.convert import locate_checkpoint
-        from ..storage import open_storage
         from .convert import get_conversion
 
         if keys is not None:
             raise UnickptError("--keys selects stored names; with --to the conversion names the tensors")
         conv = get_conversion("export", to)
         path = locate_checkpoint(path, open_storage(path, storage_options))
-        reader = CheckpointReader(path, storage_options, verify=verify)
+        reader = _open_reader(path, storage_options, verify)
         plan = conv.run(reader, dict(model_config or {}))
         tensors, extra_files = _Tensors(reader, resolved=plan.tensors), dict(plan.files)
     else:
-        reader = CheckpointReader(path, storage_options, verify=verify)
+        reader = _open_reader(path, storage_options, verify)
         tensors = _Tensors(reader, names=select_keys(reader.keys(), keys, strip_prefix))
     order = tensors.keys()
     if not order:

@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,7 +50,9 @@ from ..format.metadata import FORMAT_NAME
 from .export import SAFETENSORS_DTYPES
 
 __all__ = ["SOURCES", "Source", "plugin_sources", "ImportResult", "detect_source", "read_source",
-           "import_checkpoint", "load_safetensors"]
+           "import_checkpoint", "load_safetensors", "trainer_state_files"]
+
+log = logging.getLogger("unickpt")
 
 BUILTIN_SOURCES = ("safetensors", "hf", "torch", "dcp", "megatron")
 _PICKLE_ONLY = {"dcp": "its .metadata file is a pickle", "megatron": "its .metadata and common.pt are pickles"}
@@ -100,7 +103,8 @@ def __getattr__(name: str) -> Any:
 
 @dataclass
 class ImportResult:
-    """``source`` (kind), ``src``, ``out``, ``tensors`` (count), ``tensor_bytes``, ``objects`` (plain values)."""
+    """``source`` (kind), ``src``, ``out``, ``tensors`` (count), ``tensor_bytes``, ``objects`` (plain values),
+    ``not_imported`` (names of files in ``src`` that were not imported: :func:`trainer_state_files`)."""
 
     source: str
     src: str
@@ -108,6 +112,7 @@ class ImportResult:
     tensors: int
     tensor_bytes: int
     objects: int
+    not_imported: list[str] = field(default_factory=list)  # files of ``src`` left behind (a Trainer's training state)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -276,6 +281,17 @@ def _read_megatron(src: str) -> dict:
     return state
 
 
+_TRAINER_FILES = re.compile(r"(optimizer|scheduler|scaler)(_\d+)?\.(pt|bin)|rng_state(_\d+)?\.pth|trainer_state\.json"
+                            r"|training_args\.bin")
+
+
+def trainer_state_files(src: str) -> list[str]:
+    """The training state a Hugging Face ``Trainer`` saves beside the weights of a ``checkpoint-<N>`` folder
+    (``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state[_<r>].pth``, ``trainer_state.json``,
+    ``training_args.bin``), by name: the ``hf`` source imports the weights only, and says so."""
+    return sorted(n for n in os.listdir(src) if _TRAINER_FILES.fullmatch(n)) if os.path.isdir(src) else []
+
+
 def read_source(src: str, source: str | None = None, *, allow_pickle: bool = False, tag: str | None = None) -> dict:
     """The state held by checkpoint ``src`` as a dict (tensors on the CPU, plain values).
 
@@ -336,7 +352,10 @@ def import_checkpoint(src: str, out: str, *, source: str | None = None, allow_pi
     Plain values only pickle can express (e.g. an ``argparse.Namespace`` in Megatron's
     ``common.pt``) are stored as pickles when ``allow_pickle`` (loading them needs it again), else
     the save raises UnsafeObjectError naming the key. Raises UnickptError / UnsafeObjectError as
-    :func:`read_source`, CheckpointExistsError if ``out`` is a committed checkpoint.
+    :func:`read_source`, CheckpointExistsError if ``out`` is a committed checkpoint. Of a Hugging Face
+    ``Trainer`` ``checkpoint-<N>`` folder only the model weights are imported; the Trainer's training
+    state beside them (:func:`trainer_state_files`) is named in a warning (logger ``unickpt``) and in
+    ``ImportResult.not_imported``.
 
     ``to`` names a conversion (entry-point group ``unickpt.conversions``, e.g. ``"megatron"`` from
     :mod:`unickpt.megatron.hf`): the source state is turned into that framework's layout (tensors
@@ -372,7 +391,18 @@ def import_checkpoint(src: str, out: str, *, source: str | None = None, allow_pi
     if dir_step is not None and root:  # it joined a run's root: keep `latest` right
         CheckpointRoot(root, storage_options).update_latest()
     n, nbytes, objects = _count(state)
-    return ImportResult(kind, os.fspath(src), out, n, nbytes, objects)
+    return ImportResult(kind, os.fspath(src), out, n, nbytes, objects, _left_behind(os.fspath(src), kind))
+
+
+def _left_behind(src: str, kind: str) -> list[str]:
+    """The Trainer files of an ``hf`` source (:func:`trainer_state_files`), with a warning naming them."""
+    left = trainer_state_files(src) if kind == "hf" else []
+    if left:
+        log.warning("unickpt import: %s is a Hugging Face Trainer checkpoint; imported its model weights only, not "
+                    "%s (the Trainer's training state: its optimizer state is keyed by parameter index, not by name; "
+                    "resume training from the folder itself, Trainer.train(resume_from_checkpoint=...))",
+                    src, ", ".join(left))
+    return left
 
 
 def _import_as(src: str, out: str, to: str, *, source: str | None, allow_pickle: bool, prefix: str | None,
@@ -400,4 +430,4 @@ def _import_as(src: str, out: str, to: str, *, source: str | None, allow_pickle:
     for name, data in plan.files.items():  # after the commit; the last one is the outer framework's marker
         storage.write_atomic(storage.join(out, name), data)
     n, nbytes, objects = _count(plan.state)
-    return ImportResult(f"{kind}->{to}", os.fspath(src), out, n, nbytes, objects)
+    return ImportResult(f"{kind}->{to}", os.fspath(src), out, n, nbytes, objects, _left_behind(os.fspath(src), kind))

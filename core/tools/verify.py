@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from ..errors import IntegrityError
-from ..format.metadata import read_metadata
+from ..loading.checks import read_committed
 from ..loading.reads import read_ranges, verify_ranges
 from ..storage import open_storage
 
@@ -37,7 +37,7 @@ def verify_checkpoint(path: str, storage_options: dict | None = None,
     (of all chunks' bytes) after each piece.
     """
     storage = open_storage(path, storage_options)
-    meta = read_metadata(storage, path)
+    meta = read_committed(storage, path)
     problems: list[Problem] = []
     checked = 0
     total = sum(t.nbytes for t in meta.tensors.values())

@@ -29,7 +29,8 @@ def enable(accelerator: Any = None, **options: Any) -> Options:
             process, present and future). DeepSpeed, Megatron-LM and XLA accelerators keep
             Accelerate's own path.
         **options: fields of :class:`Options` (``async_save=True``, ``rng_reshard="error"``,
-            ``allow_pickle=False``); options not given take their defaults (not the environment's).
+            ``allow_pickle=False``, ``on_error="raise"``); options not given take their defaults (not
+            the environment's).
 
     Returns the options in force. Raises ValueError for an unknown option or a bad value.
     Calling it again replaces the options.
@@ -54,8 +55,9 @@ def is_enabled(accelerator: Any = None) -> bool:
 
 
 def wait() -> None:
-    """Block until the pending asynchronous save has committed; raise its error if it failed.
-    ``save_state``, ``load_state``, ``end_training()`` and interpreter exit already do this."""
+    """Block until the pending asynchronous save has committed; if it failed, raise
+    :class:`unickpt.EarlierSaveFailedError` naming it (once; ``on_error="warn"``: warn). ``save_state``,
+    ``load_state``, ``end_training()`` and interpreter exit already do this."""
     from ._patch import wait as _wait
 
     _wait()

@@ -18,7 +18,9 @@ _ENV = {
     "async_save": "UNICKPT_ACCELERATE_ASYNC",
     "rng_reshard": "UNICKPT_ACCELERATE_RNG_RESHARD",
     "allow_pickle": "UNICKPT_ACCELERATE_ALLOW_PICKLE",
+    "on_error": "UNICKPT_ACCELERATE_ON_ERROR",
 }
+ON_ERROR = ("raise", "warn")
 
 
 @dataclass(frozen=True)
@@ -35,11 +37,17 @@ class Options:
             scheduler or ``register_for_checkpointing`` state). Off: such a value raises
             :class:`unickpt.UnsafeObjectError` naming its key. ``save_state(safe_serialization=False)``
             allows pickling for that save only.
+        on_error: an asynchronous save that failed in the background is reported by the next
+            ``save_state`` / ``load_state`` / ``end_training()`` / :func:`unickpt.accelerate.wait`, on every
+            process: ``"raise"`` (default) raises :class:`unickpt.EarlierSaveFailedError` naming the
+            failed save's folder (``save_state`` then saves nothing); ``"warn"`` warns
+            (``RuntimeWarning``) and goes on (see :class:`unickpt.Checkpointer`'s ``on_error``).
     """
 
     async_save: bool = True
     rng_reshard: str = "error"
     allow_pickle: bool = False
+    on_error: str = "raise"
 
     def validated(self) -> "Options":
         """Return self; raise ValueError naming the option, the expected and the actual value."""
@@ -50,6 +58,9 @@ class Options:
                              f"got {self.rng_reshard!r}")
         if not isinstance(self.allow_pickle, bool):
             raise ValueError(f"unickpt.accelerate option allow_pickle must be a bool, got {self.allow_pickle!r}")
+        if self.on_error not in ON_ERROR:
+            raise ValueError(f"unickpt.accelerate option on_error must be one of {list(ON_ERROR)}, "
+                             f"got {self.on_error!r}")
         return self
 
     def updated(self, **changes: Any) -> "Options":
@@ -72,7 +83,8 @@ def _parse_bool(var: str, text: str) -> bool:
 
 def options_from_env(environ: Any = None) -> Options:
     """Options from ``UNICKPT_ACCELERATE_ASYNC`` (1/0), ``UNICKPT_ACCELERATE_RNG_RESHARD``
-    (error/by_rank/keep) and ``UNICKPT_ACCELERATE_ALLOW_PICKLE`` (1/0); unset or empty variables
+    (error/by_rank/keep), ``UNICKPT_ACCELERATE_ALLOW_PICKLE`` (1/0) and ``UNICKPT_ACCELERATE_ON_ERROR``
+    (raise/warn); unset or empty variables
     keep the defaults. Raises ValueError naming the variable for a bad value."""
     env = os.environ if environ is None else environ
     changes: dict[str, Any] = {}
@@ -80,8 +92,9 @@ def options_from_env(environ: Any = None) -> Options:
         text = env.get(var)
         if text is None or text.strip() == "":
             continue
-        changes[name] = text.strip() if name == "rng_reshard" else _parse_bool(var, text)
+        changes[name] = text.strip() if name in ("rng_reshard", "on_error") else _parse_bool(var, text)
     try:
         return Options().updated(**changes)
     except ValueError as e:
-        raise ValueError(f"{e} (from {_ENV['rng_reshard']})") from None
+        name = next(n for n in ("rng_reshard", "on_error") if f"option {n} " in str(e))
+        raise ValueError(f"{e} (from {_ENV[name]})") from None

@@ -91,8 +91,9 @@ def disable(accelerator: Any = None) -> None:
 
 
 def wait() -> None:
-    """Block until every pending unickpt save of this process (default group) has committed;
-    raise the first failure not yet raised. A save whose Accelerate folder was removed while it was
+    """Block until every pending unickpt save of this process (default group) has committed; then
+    raise :class:`unickpt.EarlierSaveFailedError` naming every failed save not reported yet (on every
+    process; ``on_error="warn"``: warn instead). A save whose Accelerate folder was removed while it was
     being written (by the user, after ``save_state`` returned) is not an error: its target is gone,
     and it is reported as a warning (see :func:`_wait_tracked`)."""
     _wait_tracked()
@@ -111,29 +112,25 @@ def _track(handle: Any, folder: str) -> None:
 
 
 def _target_removed(handle: Any, folder: str) -> bool:
-    """True when the save's Accelerate folder, its unickpt root or the save's own directory is gone."""
-    return not os.path.isdir(handle.path) or not os.path.isdir(_layout.store_root(folder))
+    """True when the save's Accelerate folder or its unickpt root is gone (the save's own directory
+    is not looked at: the core removes a failed save's directory itself)."""
+    return not os.path.isdir(_layout.store_root(folder))
 
 
 def _wait_tracked() -> None:
-    """Wait for this process's pending ``save_state`` saves; raise the first failure, unless the save's
-    folder was removed while it was being written: then the save's target no longer exists, and the
-    failure (files could not be written or committed into a deleted folder) is logged as a warning,
+    """Wait for this process's pending ``save_state`` saves. A failure is left to the engine's
+    ``wait()`` that follows (it raises EarlierSaveFailedError, or warns, on every process), unless the
+    save's folder was removed while it was being written: then the save's target no longer exists, and
+    the failure (files could not be written or committed into a deleted folder) is logged as a warning,
     not raised into a later, unrelated ``save_state`` / ``load_state``."""
     with _lock:
         pending, _tracked[:] = list(_tracked), []
-    first: BaseException | None = None
     for handle, folder in pending:
-        try:
-            handle.wait()
-        except BaseException as e:  # keep waiting for the rest
-            if isinstance(e, Exception) and _target_removed(handle, folder):
-                log.warning("unickpt.accelerate: the save into %s did not complete: the folder was removed while "
-                            "the save was being written (%s)", folder, str(e).splitlines()[0])
-            else:
-                first = first or e
-    if first is not None:
-        raise first
+        error = handle.outcome()
+        if isinstance(error, Exception) and _target_removed(handle, folder):
+            handle.error_reported = True  # not raised later
+            log.warning("unickpt.accelerate: the save into %s did not complete: the folder was removed while "
+                        "the save was being written (%s)", folder, str(error).splitlines()[0])
 
 
 def _overlaps(removed: str, save_dir: str) -> bool:
@@ -246,7 +243,8 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
     # the unickpt root inside this Accelerate folder keeps its newest committed save only, then runs the
     # total_limit rotation on group rank 0
     ckpt = Checkpointer(_layout.store_root(output_dir), keep_last=1, on_commit=None if after is None else lambda _: after(),
-                        allow_pickle=opts.allow_pickle or not safe_serialization, framework=FRAMEWORK)
+                        allow_pickle=opts.allow_pickle or not safe_serialization, framework=FRAMEWORK,
+                        on_error=opts.on_error)
     step: int | None = None
     try:
         state = build_state(acc, indices, opts, saving=True)  # collective on several processes
@@ -342,6 +340,15 @@ def _foreign_behind(given: str) -> str | None:
     return _foreign(given)
 
 
+def _foreign_or_refusal(given: str) -> tuple[str | None, str | None]:
+    """``(`` :func:`_foreign_behind` ``, None)``, or ``(None, message)`` when the framework that wrote
+    ``given`` refuses to move it (StateMismatchError): what process 0 tells the others."""
+    try:
+        return _foreign_behind(given), None
+    except unickpt.StateMismatchError as e:
+        return None, str(e)
+
+
 def _foreign(path: str) -> str | None:
     """The committed unickpt checkpoint another framework wrote behind ``path`` (a Lightning pointer
     file, a DeepSpeed ``save_dir`` or tag, a megatron directory, a ``unickpt.save`` directory), or None."""
@@ -389,7 +396,9 @@ def _load_state(acc: Any, opts: Options, input_dir: str | None, load_kwargs: dic
         # decided on process 0 for all: processes may name different folders (each its own temporary
         # one), and a process whose own folder is empty must still follow process 0's path
         given = os.path.expanduser(os.fspath(input_dir))
-        foreign = engine.broadcast(_foreign_behind(given) if engine.rank == 0 else None)
+        foreign, refused = engine.broadcast(_foreign_or_refusal(given) if engine.rank == 0 else None)
+        if refused is not None:  # a checkpoint of another framework that cannot move (a Lightning .ckpt pack)
+            raise unickpt.StateMismatchError(refused)
         if foreign is not None:
             return _load_foreign(acc, opts, foreign, kwargs)
     input_dir = _input_dir(acc, input_dir, engine)

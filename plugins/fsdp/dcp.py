@@ -13,7 +13,9 @@ staging pool, checksums, the writer threads and the all-or-nothing commit of ``m
 Non-tensor items (DCP ``BYTE_IO``, ``torch.save`` bytes) become plain JSON values grouped as
 ``unickpt.save`` groups them (``optim.param_groups``, ``step``); one JSON cannot express is kept as a
 ``uint8`` tensor under ``__dcp_bytes__.<fqn>``. The result is an ordinary unickpt checkpoint (``unickpt.load``,
-``unickpt inspect`` and ``verify`` work on it) with no pickle in its metadata.
+``unickpt inspect`` and ``verify`` work on it) with no pickle in its metadata. Saves through it may
+overlap (``dcp.async_save`` every step without waiting): they run one at a time, in call order
+(:class:`_SaveOrder`).
 
 :class:`StorageReader` serves DCP's read items from any unickpt checkpoint (also one written by
 ``unickpt.save``): the DCP metadata is derived from ``metadata.json`` (flat-range chunks become
@@ -24,8 +26,11 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 import threading
+import time
 import uuid
+import weakref
 from typing import Any
 
 import torch
@@ -97,6 +102,138 @@ def _dcp_wrapper() -> Any:
         return None
     finally:
         del frame
+
+
+_SAVER = "torch.distributed.checkpoint.state_dict_saver"
+
+
+def _saver_frame(*names: str) -> Any:
+    """The outermost frame on this thread's stack that runs one of ``names`` of DCP's
+    ``state_dict_saver`` module (``save``, ``async_save``, ...); None when there is none (the writer
+    is driven directly)."""
+    import inspect
+
+    frame, found = inspect.currentframe(), None
+    while frame is not None:
+        if frame.f_code.co_name in names and frame.f_globals.get("__name__") == _SAVER:
+            found = frame
+        frame = frame.f_back
+    return found
+
+
+class _Staged(dict):
+    """The copy :meth:`StorageWriter.stage` gives ``dcp.async_save``, carrying its save's place in
+    :data:`_ORDER` (``ticket``) and the process group the save runs over in DCP's thread when
+    ``async_save`` was given none (``group``: :func:`_private_group`); DCP's thread passes it to
+    ``dcp.save`` as its ``state_dict``."""
+
+    ticket: int = -1
+    group: Any = None
+
+
+_PRIVATE: list = [None, None]  # [the default group, its gloo copy for async saves]
+
+
+def _private_group() -> Any:
+    """A gloo group of every rank, this process's own for the saves ``dcp.async_save`` runs in its
+    thread when given no process group: training keeps the default group to itself (FSDP2 on a world
+    mesh uses it; two threads' collectives on one group interleave and hang or crash gloo). Created
+    once per default group, collectively (every rank calls ``dcp.async_save``), on the caller's thread."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    default = _get_default_group()
+    if _PRIVATE[0] is not default:
+        _PRIVATE[:] = [default, dist.new_group(backend="gloo")]
+    return _PRIVATE[1]
+
+
+class _SaveOrder:
+    """The ``dcp.save`` / ``dcp.async_save`` calls through :class:`StorageWriter` in this process run
+    one at a time, in the order they were made.
+
+    ``dcp.async_save`` runs each save in a thread of its own; two in flight make the collectives of
+    both (DCP's planning and commit, unickpt's save) interleave on one process group, which hangs or
+    crashes gloo. Every rank makes its calls in the same order, so a ticket taken at the call, on the
+    caller's thread (:meth:`StorageWriter.stage` for ``dcp.async_save``, the save's first writer
+    call for ``dcp.save``), orders the saves alike on every rank. A save's first writer call
+    (``reset``, ``storage_meta`` or ``set_up_storage_writer``: before DCP's first collective of the
+    save) waits until every save with an earlier ticket has left DCP's ``save`` (its frame is off its
+    thread's stack: a watcher thread polls every 5 ms). A ticket whose staged copy is gone without
+    its save having started (an ``async_save`` that failed after staging) is skipped."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._issued = 0  # tickets given
+        self._serving = 0  # the first ticket whose save has not ended
+        self._running: Any = None  # (thread ident, DCP's save frame) of that save once it started
+        self._staged: dict[int, Any] = {}  # ticket -> weakref of the copy its dcp.async_save saves
+
+    def ticket(self, staged: Any = None) -> int:
+        """The next place in the order (on the caller's thread); ``staged``: the async save's copy."""
+        with self._cond:
+            t, self._issued = self._issued, self._issued + 1
+            if staged is not None:
+                self._staged[t] = weakref.ref(staged)
+            return t
+
+    def enter(self, frame: Any) -> None:
+        """Wait until the save that DCP runs in ``frame`` (its ``save``) may start; at once if it has."""
+        with self._cond:
+            if self._running is not None and self._running[1] is frame:
+                return
+            state = frame.f_locals.get("state_dict")
+            t = state.ticket if isinstance(state, _Staged) and state.ticket >= 0 else self.ticket()
+            while self._running is not None or self._serving != t:
+                ref = self._staged.get(self._serving)
+                if self._running is None and ref is not None and ref() is None:  # abandoned
+                    del self._staged[self._serving]
+                    self._serving += 1
+                    continue
+                self._cond.wait(0.05)
+            self._staged.pop(t, None)
+            self._running = (threading.get_ident(), frame)
+        threading.Thread(target=self._watch, args=(threading.get_ident(), frame), daemon=True,
+                         name="unickpt-dcp-save-order").start()
+
+    def _watch(self, ident: int, frame: Any) -> None:
+        """Release the turn once ``frame`` (the running save) is off thread ``ident``'s stack."""
+        while True:
+            f = sys._current_frames().get(ident)
+            while f is not None and f is not frame:
+                f = f.f_back
+            if f is None:
+                break
+            del f
+            time.sleep(0.005)
+        with self._cond:
+            self._running = None
+            self._serving += 1
+            self._cond.notify_all()
+
+
+_ORDER = _SaveOrder()
+
+
+def _take_turn() -> None:
+    """Inside DCP's ``save``: wait for this save's turn in :data:`_ORDER` (see there); then, for a
+    ``dcp.async_save`` given no process group, move DCP's collectives of the save onto the staged
+    copy's own group (its ``_DistWrapper``, before its first collective)."""
+    frame = _saver_frame("save", "save_state_dict", "_save_state_dict")
+    if frame is None:
+        return
+    _ORDER.enter(frame)
+    group = getattr(frame.f_locals.get("state_dict"), "group", None)
+    del frame
+    if group is None:
+        return
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.utils import _DistWrapper
+
+    w = _dcp_wrapper()
+    if isinstance(w, _DistWrapper) and w.group is None and w.use_dist:
+        w.group = group  # a copy of the default group: the same ranks, the same coordinator
+        w.global_coordinator_rank = dist.get_global_rank(group, w.coordinator_rank)
 
 
 def _dcp_group(own: Any, use_collectives: bool = True) -> Any:
@@ -278,7 +415,11 @@ class StorageWriter(_DCPWriter, AsyncStager):
     ``<path>/.unickpt-rank-<rank>`` (``dcp.load`` finds it through ``read_metadata(rank=...)``).
     ``dcp.async_save`` uses :meth:`stage` on the caller's thread (a copy of every tensor into
     reused host buffers: ``torch.distributed.checkpoint.staging.DefaultStager``, pinned memory on
-    CUDA) and runs the save in its background thread. Raises what :func:`unickpt.save` raises.
+    CUDA) and runs the save in its background thread. Saves through StorageWriter overlap safely:
+    they run one at a time, in the order of the calls (:class:`_SaveOrder`), and an ``async_save``
+    given no process group runs on a gloo copy of the default group (:func:`_private_group`), not
+    on the group training uses. Raises what :func:`unickpt.save` raises; ValueError at
+    ``dcp.async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)``.
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, process_group: Any = None,
@@ -299,6 +440,7 @@ class StorageWriter(_DCPWriter, AsyncStager):
 
     # -- StorageWriter ----------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        _take_turn()  # an earlier save through this writer may still be running: its path stays
         if checkpoint_id is not None:
             self.path = _path(checkpoint_id)
         self._planner_data = None
@@ -309,6 +451,7 @@ class StorageWriter(_DCPWriter, AsyncStager):
                               use_collectives: bool = True, **kwargs: Any) -> None:
         """Follow ``dcp.save``'s group and mode (see the class docstring) and create that group's
         engine, collectively, on the caller's thread."""
+        _take_turn()
         self.is_coordinator = is_coordinator
         self.save_id = uuid.uuid4().hex  # dcp.save calls reset() only when given a checkpoint_id
         self._generation = None
@@ -495,6 +638,7 @@ class StorageWriter(_DCPWriter, AsyncStager):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
     def storage_meta(self) -> StorageMeta | None:
+        _take_turn()  # DCP's first call of a save without checkpoint_id, before its first collective
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     # -- AsyncStager ---------------------------------------------------------------------------------
@@ -504,10 +648,31 @@ class StorageWriter(_DCPWriter, AsyncStager):
         """A copy of ``state_dict`` no later change to the training state can reach (tensors copied
         into host buffers that are reused by the next save of the same layout once this save has
         written them; while an earlier ``async_save`` through this writer is still writing, the copy
-        goes into fresh buffers instead, so the earlier checkpoint keeps the values it staged)."""
+        goes into fresh buffers instead, so the earlier checkpoint keeps the values it staged).
+
+        Called by ``dcp.async_save``, the copy also takes the save's place in the order in which the
+        saves through StorageWriter run, one at a time (:class:`_SaveOrder`). Raises ValueError for
+        ``async_checkpointer_type=AsyncCheckpointerType.PROCESS`` (before copying anything)."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        ext.engine(_dcp_group(self.group))  # on the caller's thread, collectively
+        call = _saver_frame("async_save")
+        from_async_save = call is not None  # not a direct call
+        args = dict(call.f_locals) if from_async_save else {}
+        del call
+        kind = args.get("async_checkpointer_type")
+        if getattr(kind, "name", None) == "PROCESS":
+            raise ValueError("unickpt.fsdp.StorageWriter does not support dcp.async_save(..., async_checkpointer_type="
+                             "AsyncCheckpointerType.PROCESS): DCP's checkpoint process would need the writer pickled "
+                             "and the process group rebuilt there; use the default AsyncCheckpointerType.THREAD "
+                             "(the bytes are written by unickpt's writer threads either way)")
+        import torch.distributed as dist
+
+        private = None
+        if (from_async_save and self.group is None and args.get("process_group") is None and not args.get("no_dist")
+                and args.get("use_collectives", True) and dist.is_available() and dist.is_initialized()
+                and dist.get_world_size() > 1):
+            private = _private_group()
+        ext.engine(private if private is not None else _dcp_group(self.group))  # on the caller's thread, collectively
         cuda = torch.cuda.is_available()
         options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
                                  use_non_blocking_copy=cuda)
@@ -517,12 +682,17 @@ class StorageWriter(_DCPWriter, AsyncStager):
         if busy:  # the cached buffers are being written by the earlier save: copy into new ones
             once = DefaultStager(options)
             try:
-                return once.stage(state_dict)
+                staged = _Staged(once.stage(state_dict))
             finally:
                 once.close()
-        if self._stager is None:
-            self._stager = DefaultStager(options)
-        return self._stager.stage(state_dict)
+        else:
+            if self._stager is None:
+                self._stager = DefaultStager(options)
+            staged = _Staged(self._stager.stage(state_dict))
+        if from_async_save:  # its place in the order of saves
+            staged.group = private
+            staged.ticket = _ORDER.ticket(staged)
+        return staged
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: :meth:`stage` copies synchronously."""

@@ -18,7 +18,8 @@ def io_from_env() -> Any:
 
     pickle = os.environ.get("UNICKPT_LIGHTNING_ALLOW_PICKLE", "").strip().lower()
     allow = {"1": True, "true": True, "0": False, "false": False}.get(pickle)
-    return UnickptCheckpointIO(async_save=os.environ.get("UNICKPT_LIGHTNING_ASYNC", "1") != "0", allow_pickle=allow)
+    return UnickptCheckpointIO(async_save=os.environ.get("UNICKPT_LIGHTNING_ASYNC", "1") != "0", allow_pickle=allow,
+                               on_error=os.environ.get("UNICKPT_LIGHTNING_ON_ERROR", "").strip() or "raise")
 
 
 def adopt(strategy: Any) -> bool:

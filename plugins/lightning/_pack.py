@@ -11,8 +11,9 @@ of a path ``P`` lives *inside* ``P``::
 The members are the files of one committed unickpt checkpoint directory (``metadata.json``,
 ``data/0_0.bin``, ``objects/...``); the index maps each member name to ``[offset, size]``. A save
 writes the unickpt checkpoint into process memory (``memory://``, see :func:`staging_dir`), and
-after its commit the pack is written to a hidden temporary name in ``P``'s directory (no ``.ckpt``
-in it, so no Lightning scan parses it) and renamed over ``P`` atomically (object stores: one PUT).
+after its commit the pack is written to an unnamed file in ``P``'s folder, named in a hidden folder
+beside that folder and renamed over ``P`` atomically (object stores: one PUT): a listing of ``P``'s
+folder shows ``P`` and nothing else at every moment (:func:`_place`).
 A reader opens ``P`` once and reads every member through that one handle (:func:`open_pack`), so a
 concurrent replacement of ``P`` is never seen half-way: it reads the old file or the new one.
 
@@ -23,6 +24,7 @@ until ``P`` is replaced, or its writer is gone).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -31,7 +33,7 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import fsspec
 from fsspec import AbstractFileSystem
@@ -52,7 +54,8 @@ _MAX_PLACEHOLDER = 1 << 12
 
 def temp_name(path: str) -> str:
     """A hidden temporary sibling of ``path`` that Lightning's scans never parse (no ``.ckpt``, no
-    part of ``path``'s name, so ``hpc_ckpt_<n>`` / ``last*`` / version patterns do not match)."""
+    part of ``path``'s name, so ``hpc_ckpt_<n>`` / ``last*`` / version patterns do not match): the
+    last resort of :func:`_place`, where no folder outside ``path``'s can hold the temporary file."""
     parent = path.rstrip("/").rsplit("/", 1)[0] if "/" in path.rstrip("/") else "."
     return f"{parent}/.unickpt-tmp-{uuid.uuid4().hex}"
 
@@ -113,47 +116,66 @@ def kind(path: str, options: dict | None = None) -> str | None:
 
 
 def _write_local_atomic(path: str, chunks: list) -> None:
-    """Write ``chunks`` to local ``path`` atomically. The bytes go to an unnamed file
-    (``O_TMPFILE``) that gets its hidden temporary name only once complete, right before the rename,
-    so a directory listing during the write shows nothing extra; where ``O_TMPFILE`` is missing, to
-    a hidden temporary name (:func:`temp_name`)."""
+    """Write ``chunks`` to local ``path`` atomically, so that a listing of ``path``'s folder never
+    shows any name but ``path``'s own. The bytes go to an unnamed file (``O_TMPFILE``) that becomes
+    ``path`` by a link when ``path`` is new, else is linked into a hidden folder outside ``path``'s
+    folder and renamed over ``path`` (:func:`_place`); where no unnamed file can be made or linked,
+    the bytes are written under that hidden folder's name instead."""
     final = os.path.abspath(_strip_file(path))
     parent = os.path.dirname(final)
-    tmp: str | None = None
+    named = False
     fd = -1
     if hasattr(os, "O_TMPFILE"):
         try:
             fd = os.open(parent, os.O_TMPFILE | os.O_WRONLY, 0o644)
         except OSError:
             fd = -1
-    if fd < 0:
-        tmp = temp_name(final)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
+    if fd >= 0:
         try:
             _write_all(fd, chunks)
-            if tmp is None:
-                name = temp_name(final)
-                try:
-                    os.link(f"/proc/self/fd/{fd}", name, follow_symlinks=True)
-                except OSError:  # no /proc, or linkat refused: write it again under a name
-                    os.close(fd)
-                    fd = -1
-                    _write_named(final, chunks)
-                    return
-                tmp = name
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        os.replace(tmp, final)
-    except BaseException:
-        if tmp is not None:
             try:
-                os.remove(tmp)
+                _link_fd(fd, final)  # a new path: it appears whole, under its own name
+                named = True
+            except FileExistsError:
+                named = _try(lambda: _place(final, lambda tmp: _link_fd(fd, tmp)))
             except OSError:
                 pass
-        raise
+        finally:
+            os.close(fd)
+    if not named:
+        _place(final, lambda tmp: _write_file(tmp, chunks))
     _fsync_dir(parent)
+
+
+def _try(fn: Callable[[], None]) -> bool:
+    """Run ``fn``; False if it raised an OSError (True otherwise)."""
+    try:
+        fn()
+        return True
+    except OSError:
+        return False
+
+
+def _link_fd(fd: int, dst: str) -> None:
+    """Give the unnamed file ``fd`` (``O_TMPFILE``) the new name ``dst``: ``linkat`` through
+    ``/proc/self/fd``, else ``linkat(fd, "", AT_EMPTY_PATH)`` (where ``/proc``'s magic links do
+    not cross mounts). Raises FileExistsError if ``dst`` exists, another OSError if neither works."""
+    try:
+        os.link(f"/proc/self/fd/{fd}", dst, follow_symlinks=True)
+        return
+    except FileExistsError:
+        raise
+    except OSError as e:
+        first = e
+    import ctypes
+
+    try:
+        linkat = ctypes.CDLL(None, use_errno=True).linkat
+    except (OSError, AttributeError):
+        raise first from None
+    if linkat(fd, b"", -100, os.fsencode(dst), 0x1000) != 0:  # AT_FDCWD, AT_EMPTY_PATH
+        err = ctypes.get_errno()
+        raise (FileExistsError if err == errno.EEXIST else OSError)(err, os.strerror(err), dst)
 
 
 def _write_all(fd: int, chunks: list) -> None:
@@ -165,22 +187,83 @@ def _write_all(fd: int, chunks: list) -> None:
     os.fsync(fd)
 
 
-def _write_named(final: str, chunks: list) -> None:
-    tmp = temp_name(final)
+def _write_file(path: str, chunks: list) -> None:
+    """Create ``path`` (it must not exist) holding ``chunks``, fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        _write_all(fd, chunks)
+    finally:
+        os.close(fd)
+
+
+def _place(final: str, make: Callable[[str], None]) -> None:
+    """Replace ``final`` atomically by the file ``make(tmp)`` creates at a temporary name ``tmp``.
+
+    ``tmp`` lies in a fresh hidden folder beside ``final``'s folder (``<outer>/.unickpt-tmp-<hex>/``,
+    removed right after the rename), so no listing of ``final``'s folder (``os.listdir``, ``glob``,
+    fsspec ``ls``: Lightning's and its users') ever shows it, even while a save is in flight. Where
+    that folder cannot be made (``final``'s folder is a file system's root, its parent is not
+    writable or lies on another file system, or a bind mount refuses the rename), ``tmp`` is a
+    hidden name in ``final``'s folder (:func:`temp_name`: no ``.ckpt`` in it), visible from its
+    creation to the rename. Raises what ``make`` or the rename raise."""
+    side = _side_dir(os.path.dirname(final))
+    try:
+        if side is not None:
+            tmp = f"{side}/pack"
+            try:
+                make(tmp)
+            except BaseException:
+                _remove_quietly(tmp)
+                raise
+            try:
+                os.replace(tmp, final)
+                return
+            except OSError as e:
+                _remove_quietly(tmp)
+                if e.errno != errno.EXDEV:  # a bind mount: one device, no rename across it
+                    raise
+        tmp = temp_name(final)
         try:
-            _write_all(fd, chunks)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(os.path.dirname(final))
+            make(tmp)
+            os.replace(tmp, final)
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
+    finally:
+        if side is not None:
+            try:
+                os.rmdir(side)
+            except OSError:
+                pass
+
+
+def _side_dir(parent: str) -> str | None:
+    """A fresh hidden folder in the parent of folder ``parent``, on ``parent``'s file system, or None."""
+    outer = os.path.dirname(parent)
+    if not outer or outer == parent:
+        return None
+    side = f"{outer}/.unickpt-tmp-{uuid.uuid4().hex}"
+    try:
+        os.mkdir(side, 0o700)
+    except OSError:
+        return None
+    try:
+        if os.stat(side).st_dev == os.stat(parent).st_dev:
+            return side
+    except OSError:
+        pass
+    try:
+        os.rmdir(side)
+    except OSError:
+        pass
+    return None
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def _fsync_dir(parent: str) -> None:

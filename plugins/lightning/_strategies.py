@@ -294,30 +294,16 @@ def _live_state(strategy: Any, with_optimizers: bool) -> dict[str, Any]:
     return state
 
 
-def _local_tensors(strategy: Any, with_optimizers: bool) -> dict[str, torch.Tensor]:
-    """This rank's local tensors of the model and (optionally) its optimizers' state, for the
-    unchanged-since-last-save check (DTensors by their local shard)."""
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    model = strategy.model  # parameters and buffers, not state_dict(): FSDP1's would all-gather
-    out = {f"m.{n}": local(t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
-    if with_optimizers:
-        for i, opt in enumerate(_optimizers(strategy)):
-            for j, st in enumerate(opt.state.values()):
-                out.update({f"o{i}.{j}.{k}": local(v) for k, v in st.items() if isinstance(v, torch.Tensor)})
-    return out
-
-
 def save_sharded(io: Any, strategy: Any, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
     """Save ``checkpoint`` of a sharded strategy at ``filepath`` (collective over the default group).
 
     The model and optimizer states are taken from the live ``strategy.model`` and optimizers (the
     sharded state dicts in ``checkpoint`` are dropped unused: Lightning's FSDP1 optimizer state is
     a ``ShardedTensor`` dict that unickpt does not store); optimizers are saved only when
-    ``checkpoint`` has ``optimizer_states``.
+    ``checkpoint`` has ``optimizer_states``. ``filepath`` is a directory, made before this returns,
+    holding the versions and the pointer (:mod:`._layout`); each save is a whole checkpoint.
     """
-    from .io import FRAMEWORK, TREE_KEY, _fingerprint, _fspath, _global_step, _refuse_pickles
+    from .io import FRAMEWORK, TREE_KEY, _fspath, _global_step, _refuse_pickles
 
     io._raise_errors()
     path = _fspath(strategy.broadcast(os.fspath(filepath)))
@@ -333,29 +319,23 @@ def save_sharded(io: Any, strategy: Any, checkpoint: dict, filepath: Any, storag
     state = _live_state(strategy, with_optimizers)
     engine = ext.engine()
     step = _global_step(checkpoint)
-    fingerprint = _fingerprint(_local_tensors(strategy, with_optimizers))
-    # save_last right after a top-k save: link only if every rank's tensors are unchanged
-    local_link = io._link_source(path, step, fingerprint)
-    links = engine.all_gather(local_link)
-    link = local_link if local_link is not None and all(x == local_link for x in links) else None
-    version = engine.broadcast(io._version_for(storage, path) if engine.rank == 0 else None)
-    vdir = _layout.version_dir(path, version)
-    if link is not None:
-        state = {TREE_KEY: tree}
-    else:
-        state[TREE_KEY] = tree
-    tensors_from = None if link is None else _layout.relative(path, link)
-    pointer = Pointer(_layout.relative(path, vdir), route="sharded", global_step=step, tensors_from=tensors_from)
+    state[TREE_KEY] = tree
+    target = None
+    if engine.rank == 0:  # P is a directory when the save returns, as with Lightning's own (its version counter asks)
+        storage.makedirs(_layout.data_root(storage, path))
+        version = io._version_for(storage, path)
+        target = (version, _layout.version_dir(storage, path, version))
+    version, vdir = engine.broadcast(target)
+    pointer = Pointer(_layout.relative(path, vdir), route="sharded", global_step=step)
     handle = engine.save(vdir, state, async_save=io.async_save, storage_options=options, step=step,
-                         framework=FRAMEWORK, extra={"lightning_route": "sharded", "tensors_from": tensors_from},
-                         on_commit=io._sharded_publisher(path, version, pointer, options), allow_pickle=io._save_pickle())
+                         framework=FRAMEWORK, extra={"lightning_route": "sharded", "tensors_from": None},
+                         on_commit=io._sharded_publisher(path, version, pointer, options), allow_pickle=io._save_pickle(),
+                         on_error=io._on_engine_error)
     from .io import _register, _unregister
 
     _register(path, handle)
     handle._future.add_done_callback(lambda f: _unregister(path, handle))
     io._track(path, handle)
-    if link is None:
-        io._last_full = (path, vdir, step, fingerprint)
     if not io.async_save:
         io._wait(path)
 
@@ -413,7 +393,7 @@ def _foreign(path: str, options: dict | None) -> str | None:
     from .io import FRAMEWORK
 
     storage = ext.open_storage(path, options)
-    if not storage.isdir(path):
+    if not storage.isdir(path) or _layout.claims_format(storage, path):
         return None  # pointers and packs are Lightning's
     found = ext.locate_checkpoint(path, storage)
     if not ext.is_committed(storage, found):

@@ -15,13 +15,14 @@ import logging
 import os
 import threading
 import uuid
+import warnings
 import weakref
 from typing import Any, Callable
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
 
-from unickpt import CheckpointNotFoundError, SaveHandle, UnsafeObjectError, ext
+from unickpt import CheckpointNotFoundError, EarlierSaveFailedError, SaveHandle, UnsafeObjectError, ext
 
 from . import _layout, _pack
 from ._layout import Pointer
@@ -49,8 +50,9 @@ class UnickptCheckpointIO(CheckpointIO):
 
     Args:
         async_save: return from a save once the tensors are copied into host memory (the stall);
-            writing and the commit go on in the background. Errors of a background save are raised
-            by the next save, load, remove, :meth:`wait` or :meth:`teardown`.
+            writing and the commit go on in the background. A background save that failed is reported
+            by the next save (when it has finished by then), or by the next load, remove, :meth:`wait`
+            or :meth:`teardown` of its path (which wait for it): see ``on_error``.
         allow_pickle: values only pickle can store (objects of arbitrary classes, e.g. in
             hyper-parameters). ``None`` (default) follows ``torch.save`` / ``torch.load``, i.e.
             Lightning's own trust model: saving pickles them; loading unpickles them only when the
@@ -59,11 +61,11 @@ class UnickptCheckpointIO(CheckpointIO):
             allowed; ``False``: never (a save of such a value raises UnsafeObjectError).
         storage_options: fsspec options for remote paths (``s3://...``); Lightning's per-call
             ``storage_options`` are merged over them.
-        dedup_last: a save to a ``last*`` path (``ModelCheckpoint.CHECKPOINT_NAME_LAST``) whose
-            tensors are the very ones (same storage, same autograd version counter, same global
-            step) of this plugin's previous save to a sibling path (``save_last`` right after a
-            top-k save) writes only its non-tensor state and links to the other checkpoint's
-            tensors instead of writing them again.
+        dedup_last: accepted for compatibility, without effect: every checkpoint is whole (one
+            file, or one directory for sharded routes), so it can be copied or removed alone, as
+            with Lightning's own IO; links of earlier releases (a ``last`` checkpoint reading a
+            sibling's tensors) still load. ``ModelCheckpoint(save_last="link")`` makes ``last`` a
+            symbolic link instead of a second copy.
         verify: check every byte read against its checksum on load.
         memory_every: the checkpoint tiers (docs/tiers.md): a memory save of the whole checkpoint
             dict every this many optimizer steps (this rank's node memory, copied to a rank of
@@ -74,6 +76,12 @@ class UnickptCheckpointIO(CheckpointIO):
             the entry point).
         tiers: the other tier options (:class:`~unickpt.TierOptions`: memory directory, steps kept,
             memory bound, node id, signals, peer copies).
+        on_error: how a failed background save is reported (each once, on every rank of a sharded
+            save): ``"raise"`` (default) raises ``unickpt.EarlierSaveFailedError`` naming the
+            checkpoint path(s) and global step(s), with the save's own error as ``__cause__`` (a
+            save that raises it saved nothing); ``"warn"``: a ``RuntimeWarning`` per failed save, and
+            training goes on. ``UNICKPT_LIGHTNING_ON_ERROR`` with the entry point. Either way
+            :attr:`failed_saves` counts them and :attr:`last_error` holds the latest.
 
     A file that is not a unickpt pointer (a ``torch.save`` checkpoint from before unickpt was turned
     on) is read as ``TorchCheckpointIO`` reads it. Constructing the plugin also routes
@@ -89,9 +97,14 @@ class UnickptCheckpointIO(CheckpointIO):
 
     def __init__(self, *, async_save: bool = True, allow_pickle: bool | None = None,
                  storage_options: dict | None = None, dedup_last: bool = True, verify: bool = True,
-                 memory_every: int | None = None, tiers: Any = None):
+                 memory_every: int | None = None, tiers: Any = None, on_error: str = "raise"):
         from ._strategies import install
 
+        if on_error not in ("raise", "warn"):
+            raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
+        self.on_error = on_error
+        self.failed_saves = 0
+        self.last_error: BaseException | None = None
         self.memory_every, self.tiers_config = memory_every, tiers
         self.tier_options = None
         if memory_every is not None or tiers is not None:
@@ -111,8 +124,8 @@ class UnickptCheckpointIO(CheckpointIO):
         self._lock = threading.Lock()
         self._pending: dict[str, list[SaveHandle]] = {}  # Lightning path -> saves not yet waited for
         self._errors: list[BaseException] = []  # failures of post-commit steps (pointer, cleanup)
+        self._names: dict[str, str] = {}  # io route: staging directory -> the Lightning path it is saved to
         self._next_version: dict[str, int] = {}
-        self._last_full: tuple | None = None  # (path, version dir, global step, fingerprint) of the last full save
         self._pending_links: dict[str, str] = {}  # Lightning path -> version dir its newest link save reads
         self.last_handle: SaveHandle | None = None
         _LIVE.add(self)
@@ -121,7 +134,7 @@ class UnickptCheckpointIO(CheckpointIO):
     def __getstate__(self) -> dict:
         """Only the configuration travels (``ddp_spawn`` pickles the strategy into each worker)."""
         state = {k: getattr(self, k) for k in ("async_save", "allow_pickle", "storage_options", "dedup_last", "verify",
-                                               "memory_every")}
+                                               "memory_every", "on_error")}
         state["tiers"] = self.tiers_config
         return state
 
@@ -150,49 +163,89 @@ class UnickptCheckpointIO(CheckpointIO):
             raise errors[0]
 
     def _track(self, path: str, handle: SaveHandle, link: str | None = None) -> None:
-        """Remember ``handle`` until waited for; finished saves are dropped here (a failure is kept
-        for the next call to raise), so a long run does not accumulate handles."""
+        """Remember ``handle`` until waited for; finished saves are dropped here unless they failed
+        unreported (kept for the next call to report), so a long run does not accumulate handles."""
         self.last_handle = handle
-        finished = []
         with self._lock:
             for p in list(self._pending):
-                finished += [h for h in self._pending[p] if h.done()]
-                self._pending[p] = [h for h in self._pending[p] if not h.done()]
+                self._pending[p] = [h for h in self._pending[p] if not h.done() or _unreported(h)]
                 if not self._pending[p]:
                     del self._pending[p]
             self._pending.setdefault(path, []).append(handle)
             if link is not None:
                 self._pending_links[path] = link
             self._pending_links = {p: t for p, t in self._pending_links.items() if p in self._pending}
-        for h in finished:
-            try:
-                h.wait()
-            except BaseException as e:  # raised by the next call
-                with self._lock:
-                    self._errors.append(e)
+            staged = {h.path for hs in self._pending.values() for h in hs}
+            self._names = {st: p for st, p in self._names.items() if st in staged}
+
+    def _report_finished(self) -> None:
+        """Report the failures of this plugin's saves that have finished, not reported yet (see
+        ``on_error``). For the io route (this process alone); on several ranks only the engine's next
+        save can agree which saves have finished everywhere (a sharded save's failure is reported there)."""
+        with self._lock:
+            found = [(p, h) for p, hs in self._pending.items() for h in hs if _unreported(h)]
+        self._report([(h.stats.step, p, _take(h)) for p, h in found])
+
+    def _report(self, failed: list) -> None:
+        """``failed``: ``[(global step, path, error)]``, each reported once: counted, then one
+        EarlierSaveFailedError naming them all raised, or (``on_error="warn"``) one warning each."""
+        failed = [f for f in failed if f[2] is not None]
+        if not failed:
+            return
+        if self.on_error == "warn":
+            for f in failed:
+                one = EarlierSaveFailedError([f])
+                one.__cause__ = f[2]
+                self._on_engine_error(one)
+            return
+        error = EarlierSaveFailedError(failed)
+        self.failed_saves += len(failed)
+        self.last_error = error
+        raise error from failed[0][2]
+
+    def _named(self, error: EarlierSaveFailedError) -> EarlierSaveFailedError:
+        """``error`` with each io-route save named by its Lightning path instead of its staging directory."""
+        with self._lock:
+            names = dict(self._names)
+        if not any(path in names for _, path, _ in error.errors):
+            return error
+        named = EarlierSaveFailedError([(step, names.get(path, path), e) for step, path, e in error.errors])
+        named.__cause__ = error.__cause__
+        return named
+
+    def _on_engine_error(self, error: BaseException) -> bool:
+        """The engine found one of this plugin's saves failed (at its next save): count it; with
+        ``on_error="warn"`` warn and report it handled."""
+        error = self._named(error)
+        self.failed_saves += 1
+        self.last_error = error
+        if self.on_error != "warn":
+            return False
+        lines = [line.strip() for line in str(error.__cause__ or error).splitlines() if line.strip()]
+        warnings.warn(f"unickpt.lightning: the asynchronous save of {error.path!r} (global step {error.steps[0]}) "
+                      f"failed ({lines[-1] if lines else ''}); on_error='warn': training goes on", RuntimeWarning,
+                      stacklevel=2)
+        return True
 
     def _wait(self, path: str | None = None) -> None:
-        """Wait for this plugin's pending saves (of ``path``, or all); raise the first failure."""
+        """Wait for this plugin's pending saves (of ``path``, or all); then report their failures not
+        reported yet (see ``on_error``), then a failure of a post-commit step (pointer, cleanup)."""
         with self._lock:
             if path is None:
-                handles = [h for hs in self._pending.values() for h in hs]
+                handles = [(p, h) for p, hs in self._pending.items() for h in hs]
                 self._pending = {}
             else:
-                handles = self._pending.pop(path, [])
-        first: BaseException | None = None
-        for h in handles:
-            try:
-                h.wait()
-            except BaseException as e:  # keep waiting for the others
-                first = first or e
+                handles = [(path, h) for h in self._pending.pop(path, [])]
+        for _, h in handles:
+            h.outcome()
             _cleanup(h)
-        if first is not None:
-            raise first
+        self._report([(h.stats.step, p, _take(h)) for p, h in handles])
         self._raise_errors()
 
     def wait(self) -> None:
         """Block until every save started by this plugin in this process has committed and its
-        pointer is written; raise the first failure."""
+        pointer is written; raise EarlierSaveFailedError naming every failed save not reported yet
+        (``on_error="warn"``: warn)."""
         self._wait()
 
     def _version_for(self, storage: ext.StorageBackend, path: str) -> int:
@@ -212,8 +265,12 @@ class UnickptCheckpointIO(CheckpointIO):
 
         When it returns, ``path`` exists: the previous checkpoint there until this one commits (then
         replaced atomically), or, for a new path, a placeholder that readers wait on (see
-        :mod:`._pack`). A failed save leaves the previous checkpoint and removes its placeholder."""
+        :mod:`._pack`). A failed save leaves the previous checkpoint and removes its placeholder.
+
+        First reports the failures of this plugin's earlier saves that have finished (``on_error``);
+        raising, it saves nothing."""
         self._raise_errors()
+        self._report_finished()
         path = _fspath(path)
         options = self._options(storage_options)
         tree, tensors = split(checkpoint)
@@ -227,15 +284,20 @@ class UnickptCheckpointIO(CheckpointIO):
         if placeholder:  # so that the path exists when this call returns (ModelCheckpoint's version counter)
             _pack.write_placeholder(path, options, token)
         published: list[bool] = []
+        with self._lock:
+            self._names[staged] = path
         try:
             handle = _io_engine().save(
                 staged, state, async_save=True, step=step, framework=FRAMEWORK,
                 extra={"lightning_route": "io", "lightning_name": os.path.basename(path.rstrip("/"))},
-                on_commit=self._publisher(path, staged, options, step, published), allow_pickle=self._save_pickle())
-        except BaseException:
+                on_commit=self._publisher(path, staged, options, step, published), allow_pickle=self._save_pickle(),
+                on_error=self._on_engine_error)
+        except BaseException as e:
             if placeholder:
                 _drop_placeholder(path, options, token)
             _rm_staged(staged)
+            if isinstance(e, EarlierSaveFailedError):  # an earlier save that finished meanwhile: its own name
+                raise self._named(e) from e.__cause__
             raise
         _register(path, handle)
         _CLEANUPS[id(handle)] = _Once(lambda: _finish(path, handle, staged, options, token if placeholder else None,
@@ -246,22 +308,10 @@ class UnickptCheckpointIO(CheckpointIO):
             # nothing to overlap with outside a Trainer run (trainer.save_checkpoint after fit, a
             # script): finish it here, then give back the engine's threads and staging memory
             try:
+                handle.wait()  # this save's own failure, as it is
                 self._wait(path)
             finally:
                 _release_io_engine()
-
-    def _link_source(self, path: str, step: int | None, fingerprint: tuple) -> str | None:
-        if not self.dedup_last or self._last_full is None or not fingerprint:
-            return None
-        from lightning.pytorch.callbacks import ModelCheckpoint
-
-        if not os.path.basename(path.rstrip("/")).startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST):
-            return None  # only ModelCheckpoint's save_last copies are links
-        prev_path, prev_vdir, prev_step, prev_fp = self._last_full
-        same_dir = os.path.dirname(prev_path.rstrip("/")) == os.path.dirname(path.rstrip("/"))
-        if prev_path != path and same_dir and step is not None and prev_step == step and prev_fp == fingerprint:
-            return prev_vdir
-        return None
 
     def _publisher(self, path: str, staged: str, options: dict | None, step: int | None,
                    published: list) -> Callable[[], None]:
@@ -292,7 +342,7 @@ class UnickptCheckpointIO(CheckpointIO):
                 for other in _layout.siblings_linking_to(storage, path)
                 for p in [_layout.read_pointer(storage, other)]}
         for v in _layout.versions(storage, path):
-            vdir = _layout.version_dir(path, v)
+            vdir = _layout.version_dir(storage, path, v)
             if v < version and vdir not in keep:
                 _rm_version(storage, vdir)
         if old is not None and old.tensors_from and old.tensors_from != pointer.tensors_from:
@@ -478,7 +528,7 @@ class UnickptCheckpointIO(CheckpointIO):
             _pack.remove_path(path, options)
             _collect_old_layout(path, options)
             return
-        root = _layout.data_root(path) + "/"
+        root = _layout.old_data_root(path) + "/"
         with self._lock:  # a link save still in flight must publish its pointer before its target is judged
             readers = [p for p, target in self._pending_links.items() if target.startswith(root) and p in self._pending]
         for p in readers:
@@ -491,18 +541,15 @@ class UnickptCheckpointIO(CheckpointIO):
             return
         storage.rm(path)
         if not _layout.siblings_linking_to(storage, path):
-            storage.rm(_layout.data_root(path))
+            storage.rm(_layout.data_root(storage, path))
         else:
             keep = {_layout.resolve(o, _layout.read_pointer(storage, o).tensors_from)
                     for o in _layout.siblings_linking_to(storage, path)}
             for v in _layout.versions(storage, path):
-                if _layout.version_dir(path, v) not in keep:
-                    _rm_version(storage, _layout.version_dir(path, v))
+                if _layout.version_dir(storage, path, v) not in keep:
+                    _rm_version(storage, _layout.version_dir(storage, path, v))
         if pointer.tensors_from:
             _collect_link_target(storage, path, _layout.resolve(path, pointer.tensors_from))
-        with self._lock:
-            if self._last_full is not None and self._last_full[0] == path:
-                self._last_full = None
 
     def teardown(self) -> None:
         """Wait for every pending save (Lightning calls this when the strategy tears down, at the end
@@ -687,7 +734,7 @@ def _collect_old_layout(path: str, options: dict | None) -> None:
     """Delete ``P.unickpt`` (the data of the pointer layout) once ``path`` no longer is a pointer and
     no sibling link reads it."""
     storage = ext.open_storage(path, options)
-    root = _layout.data_root(path)
+    root = _layout.old_data_root(path)
     if storage.exists(root) and not _layout.siblings_linking_to(storage, path):
         storage.rm(root)
 
@@ -706,6 +753,21 @@ def _wait_at_exit() -> None:
             log.exception("unickpt.lightning: a checkpoint save failed before exit")
 
 
+def _unreported(handle: SaveHandle) -> bool:
+    """A finished save whose failure was not reported yet."""
+    return handle.done() and not handle.error_reported and handle.outcome() is not None
+
+
+def _take(handle: SaveHandle) -> BaseException | None:
+    """A finished save's failure, unless reported already; it is reported by the caller (once)."""
+    if handle.error_reported:
+        return None
+    error = handle.outcome()
+    if error is not None:
+        handle.error_reported = True
+    return error
+
+
 def _refuse_pickles(path: str, tree: Any) -> None:
     """Raise :func:`_unsafe` if the tensor-free ``tree`` holds a value only pickle can store."""
 
@@ -722,19 +784,6 @@ def _fspath(path: Any) -> str:
 def _global_step(checkpoint: Any) -> int | None:
     step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
     return int(step) if isinstance(step, int) else None
-
-
-def _fingerprint(tensors: dict[str, torch.Tensor]) -> tuple:
-    """Identity of the tensors' current contents: storage address, view, and version counter (bumped
-    by every in-place change made through autograd-visible ops, optimizer steps included). ``()``
-    (never link) when a tensor has no version counter (meta, inference-mode tensors)."""
-    out = []
-    for fqn, t in tensors.items():
-        if t.device.type == "meta" or t.is_inference():  # inference tensors have no version counter: never link
-            return ()
-        out.append((fqn, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
-                    str(t.device), t._version))
-    return tuple(out)
 
 
 def _read_pointer_or_none(storage: ext.StorageBackend, path: str) -> Pointer | None:
@@ -836,7 +885,7 @@ def _agree_pointer(engine: Any, path: str, options: dict | None, foreign: tuple 
             if not storage.exists(path):
                 hint = ""
                 if _layout.versions(storage, path):
-                    hint = (f" (its data directory {_layout.data_root(path)!r} exists: the pointer file was deleted "
+                    hint = (f" (its data directory {_layout.data_root(storage, path)!r} exists: the pointer file was deleted "
                             "or never written, e.g. a crash before the first commit)")
                 raise FileNotFoundError(f"no checkpoint at {path!r}{hint}")
             kind = "dir" if storage.isdir(path) else "file"

@@ -6,7 +6,8 @@ The sharded route (``ModelParallelStrategy``, ``FSDPStrategy(state_dict_type="sh
 fqn-keyed layout, read by the core's generic layout) and the rest of Lightning's checkpoint dict as one
 plain value ``lightning`` (``global_step``, ``epoch``, ``loops``, ``lr_schedulers``, callbacks,
 hyper-parameters). Here: the training step, the epochs completed and the LR scheduler from it, and
-the checkpoint behind a pointer file ``P`` (``P.unickpt/step_<v>``). Full-dict checkpoints (``.ckpt``
+the checkpoint behind a checkpoint path ``P`` (``P/step_<v>``, named by ``P/unickpt-lightning.json``; earlier
+releases: the pointer file ``P`` naming ``P.unickpt/step_<v>``). Full-dict checkpoints (``.ckpt``
 packs of DDP / single-device runs) key their optimizer state by parameter index and are refused.
 Imports no Lightning.
 """
@@ -17,6 +18,8 @@ import posixpath
 from typing import Any
 
 from unickpt import StateMismatchError, ext
+
+from ._layout import POINTER_NAME
 
 __all__ = ["LightningLayout", "LAYOUT", "WRAPPERS", "locate"]
 
@@ -32,10 +35,7 @@ class LightningLayout(ext.Layout):
     def source(self, meta: Any) -> ext.SourceNames:
         route = (meta.extra or {}).get("lightning_route")
         if route != "sharded":
-            raise StateMismatchError(f"a Lightning full-dict checkpoint (route {route!r}: DDP / single device) keys its "
-                                     "optimizer state by parameter index, which names no parameter; it loads only into "
-                                     "Lightning. Use a sharded strategy (ModelParallelStrategy, FSDPStrategy sharded) to "
-                                     "move runs between frameworks")
+            raise StateMismatchError(_full_dict(route))
         out = ext.SourceNames()
         out_generic = super().source(meta)
         out.tensors, out.plain = out_generic.tensors, out_generic.plain
@@ -58,13 +58,36 @@ class LightningLayout(ext.Layout):
         return out
 
 
+def _full_dict(route: Any) -> str:
+    return (f"a Lightning full-dict checkpoint (route {route!r}: DDP / single device) keys its optimizer state by "
+            "parameter index, which names no parameter; it loads only into Lightning. Use a sharded strategy "
+            "(ModelParallelStrategy, FSDPStrategy sharded) to move runs between frameworks")
+
+
+_PACK_MAGIC = b"UNICKPT-LPACK-1\n"  # the first bytes of a pack (``_pack.MAGIC``; this module imports no Lightning)
+
+
 def locate(path: str, storage: Any) -> str | None:
     """The checkpoint a Lightning pointer file ``path`` names (the one holding its tensors, for a link), or None
-    (entry-point group ``unickpt.locators``)."""
+    (entry-point group ``unickpt.locators``). Raises StateMismatchError for a pack (a full-dict ``.ckpt`` of a
+    DDP / single-device run: see :meth:`LightningLayout.source`)."""
+    file = path
     try:
-        if not storage.exists(path) or storage.isdir(path) or storage.size(path) > 1 << 16:
-            return None  # a pack (a whole checkpoint in one file) or no file at all
-        raw = storage.read_bytes(path)
+        if storage.isdir(path):  # a sharded-route checkpoint: the directory P, its pointer inside
+            file = f"{path.rstrip('/')}/{POINTER_NAME}"
+        if not storage.exists(file) or storage.isdir(file):
+            return None
+        size = storage.size(file)
+        head = bytearray(min(size, len(_PACK_MAGIC)))
+        storage.read_into(file, [(0, len(head))], memoryview(head), 0)
+    except (OSError, ValueError, EOFError):
+        return None
+    if bytes(head) == _PACK_MAGIC:
+        raise StateMismatchError(f"{path!r}: " + _full_dict("io"))
+    try:
+        if size > 1 << 16:
+            return None  # a file of another format
+        raw = storage.read_bytes(file)
     except (OSError, ValueError):
         return None
     try:

@@ -13,8 +13,10 @@ Megatron-LM training scripts switch to it with a launch flag, no code change::
 
     torchrun --nproc_per_node 8 -m unickpt.megatron.launch pretrain_gpt.py --ckpt-format unickpt ...
 
-(see :mod:`unickpt.megatron.launch`).
+(see :mod:`unickpt.megatron.launch`). Load errors are unickpt's typed errors that are also megatron-core's
+``CheckpointingException`` (see :mod:`unickpt.megatron.errors`).
 """
+from .errors import MegatronStateMismatchError, checkpointing_error
 from .mapping import OBJECT_PREFIX, global_flat_range, is_main_replica
 from .strategy import (BACKEND, OBJECT_POLICIES, SUBDIR, VERSION, UnickptLoadShardedStrategy,
                        UnickptSaveShardedStrategy, register, unickpt_dir)
@@ -22,4 +24,5 @@ from .strategy import (BACKEND, OBJECT_POLICIES, SUBDIR, VERSION, UnickptLoadSha
 register()
 
 __all__ = ["BACKEND", "VERSION", "SUBDIR", "OBJECT_PREFIX", "OBJECT_POLICIES", "UnickptSaveShardedStrategy",
-           "UnickptLoadShardedStrategy", "register", "unickpt_dir", "global_flat_range", "is_main_replica"]
+           "UnickptLoadShardedStrategy", "register", "unickpt_dir", "global_flat_range", "is_main_replica",
+           "MegatronStateMismatchError", "checkpointing_error"]

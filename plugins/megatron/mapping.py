@@ -16,9 +16,12 @@ unickpt holds one shard per rank and fqn, so a ShardedTensor key maps to one or 
 
 - the prepended axes become part of the fqn: ``decoder.layers.mlp.linear_fc1.weight[1]`` is layer 1
   (its global index, so PP changes keep the name), a tensor of the remaining axes;
-- when some rank holds ``k`` shards of a key along one axis (SwiGLU: ``k = 2`` at every TP size),
-  the key's global tensor is stored as ``k`` equal slabs of that axis, ``KEY#0/2`` and ``KEY#1/2``
-  (agreed by all ranks at save time and recorded in ``metadata.json`` ``extra.megatron.keys``);
+- when some rank holds several shards of a key along one axis, the key's global tensor is stored as
+  ``k`` slabs of that axis, ``KEY#0/k`` .. ``KEY#k-1/k``, so that no rank holds two pieces of one slab:
+  ``k`` equal slabs when every such rank holds ``k`` shards, each within its own slab (SwiGLU's gate and
+  up halves: ``k = 2`` at every TP size), else slabs cut after each shard but the last of every such
+  rank (uneven shards; the cuts are recorded). Agreed by all ranks at save time and recorded in
+  ``metadata.json`` ``extra.megatron.keys``;
 - a shard is a box (:class:`unickpt.Shard` ``offsets=``); a flattened shard is a flat range of
   the fqn's row-major tensor when its slice is one contiguous global range (the box is split only
   along its leading non-singleton dim, or the slice stays within one row), otherwise a save fails
@@ -118,20 +121,40 @@ def decode_object(buf: torch.Tensor, key: str, allow_pickle: bool) -> Any:
 @dataclass
 class KeyInfo:
     """How one ShardedTensor key is stored: its megatron global ``shape`` and ``dtype`` name, the number
-    of ``prepend`` axes (named in the fqn) and the slab ``split`` ``(axis, k)`` of the remaining axes, if any."""
+    of ``prepend`` axes (named in the fqn), the slab ``split`` ``(axis, k)`` of the remaining axes, if any,
+    and the slabs' ``cuts``: the ``k - 1`` inner slab boundaries along that axis (elements, increasing),
+    or None for ``k`` equal slabs."""
 
     shape: tuple[int, ...]
     dtype: str
     prepend: int
     split: tuple[int, int] | None = None
+    cuts: tuple[int, ...] | None = None
 
     def to_json(self) -> dict:
-        return {"shape": list(self.shape), "dtype": self.dtype, "prepend": self.prepend,
-                "split": list(self.split) if self.split else None}
+        out = {"shape": list(self.shape), "dtype": self.dtype, "prepend": self.prepend,
+               "split": list(self.split) if self.split else None}
+        if self.cuts is not None:
+            out["cuts"] = list(self.cuts)
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> "KeyInfo":
-        return cls(tuple(d["shape"]), d["dtype"], int(d["prepend"]), tuple(d["split"]) if d.get("split") else None)
+        """Raises ValueError for cuts that do not fit the split."""
+        info = cls(tuple(d["shape"]), d["dtype"], int(d["prepend"]), tuple(d["split"]) if d.get("split") else None,
+                   tuple(int(c) for c in d["cuts"]) if d.get("cuts") is not None else None)
+        if info.cuts is not None:
+            b = info.bounds()
+            if info.split is None or len(b) != info.split[1] + 1 or any(x >= y for x, y in zip(b, b[1:])):
+                raise ValueError(f"slab cuts {list(info.cuts)} do not fit split {info.split} of shape {list(info.shape)}")
+        return info
+
+    def bounds(self) -> tuple[int, ...]:
+        """The ``k + 1`` slab boundaries ``(0, ..., length)`` along the split axis (``split`` is set; for
+        equal slabs ``k`` divides the axis, which :func:`_pieces` checks)."""
+        d, k = self.split
+        n = self.shape[self.prepend + d]
+        return (0, *self.cuts, n) if self.cuts is not None else tuple(i * (n // k) for i in range(k + 1))
 
 
 def base_fqn(key: str, global_offset: tuple, prepend: int) -> str:
@@ -159,14 +182,16 @@ def _entry(sh: Any) -> _Entry:
                   None if fr is None else (int(fr.start or 0), int(fr.stop)))
 
 
-def _duplicates(entries: list[_Entry], errors: list[str]) -> dict[str, tuple[int, int]]:
-    """key -> (axis, k) for keys of which this rank holds k > 1 distinct boxes of one fqn along one axis."""
+def _duplicates(entries: list[_Entry], errors: list[str]) -> dict[str, tuple[int, list[tuple[int, int]]]]:
+    """key -> (axis, extents) for keys of which this rank holds several distinct non-empty boxes of one fqn
+    that differ along one axis: the boxes' sorted ``(offset, length)`` along that axis (over every fqn of
+    the key on this rank)."""
     by_base: dict[str, list[_Entry]] = {}
     for e in entries:
         by_base.setdefault(e.base, []).append(e)
-    out: dict[str, tuple[int, int]] = {}
+    out: dict[str, tuple[int, list[tuple[int, int]]]] = {}
     for base, es in by_base.items():
-        boxes = {(e.offsets, e.lengths) for e in es}
+        boxes = {(e.offsets, e.lengths) for e in es if all(e.lengths)}  # an empty box holds nothing to store
         if len(boxes) < 2:
             continue
         key = es[0].sh.key
@@ -176,10 +201,29 @@ def _duplicates(entries: list[_Entry], errors: list[str]) -> dict[str, tuple[int
                           f"along axes {sorted(axes)}{' and are flattened' if any(e.flat for e in es) else ''}; "
                           "unickpt stores several shards of one key per rank only along one axis")
             continue
-        split = (axes.pop(), len(boxes))
-        if out.setdefault(key, split) != split:
-            errors.append(f"ShardedTensor {key!r}: shards split along {out[key]} and {split} on this rank")
-    return out
+        axis = axes.pop()
+        if out.setdefault(key, (axis, []))[0] != axis:
+            errors.append(f"ShardedTensor {key!r}: shards split along axis {out[key][0]} and axis {axis} on this rank")
+            continue
+        out[key][1].extend((o[axis], n[axis]) for o, n in boxes)
+    return {key: (axis, sorted(set(extents))) for key, (axis, extents) in out.items()}
+
+
+def _slabs(length: int, extents: list[list[tuple[int, int]]]) -> tuple[int, tuple[int, ...] | None]:
+    """The slabs of a key that ranks hold in several pieces along one axis (of ``length`` elements), from
+    each such rank's sorted, non-empty ``(offset, length)`` extents: ``(k, None)`` for ``k`` equal slabs
+    when every such rank holds ``k`` pieces, each within a slab of its own (SwiGLU's gate and up halves);
+    else ``(k, cuts)``, the slabs cut after each piece but the last of every such rank, so that no rank
+    holds two pieces of one slab."""
+    ks = {len(ex) for ex in extents}
+    if len(ks) == 1:
+        k = ks.pop()
+        size = length // k
+        if length % k == 0 and all(len({o // size for o, _ in ex}) == k and all(o // size == (o + n - 1) // size
+                                                                              for o, n in ex) for ex in extents):
+            return k, None
+    cuts = tuple(sorted({o + n for ex in extents for o, n in ex[:-1]} - {0, length}))
+    return len(cuts) + 1, cuts
 
 
 @dataclass
@@ -189,7 +233,7 @@ class SavePrep:
     entries: list = field(default_factory=list)
     objects: dict = field(default_factory=dict)
     infos: dict[str, dict] = field(default_factory=dict)
-    splits: dict[str, tuple[int, int]] = field(default_factory=dict)
+    splits: dict[str, tuple[int, list[tuple[int, int]]]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
 
 
@@ -251,23 +295,25 @@ def agree_layout(preps: list[tuple[dict, dict, list]]) -> tuple[dict[str, KeyInf
     every rank) and the problems by rank."""
     infos: dict[str, dict] = {}
     errors: dict[int, list[str]] = {r: list(errs) for r, (_, _, errs) in enumerate(preps) if errs}
-    splits: dict[str, tuple[int, int]] = {}
+    axes: dict[str, int] = {}
+    extents: dict[str, list[list[tuple[int, int]]]] = {}
     for r, (inf, spl, _) in enumerate(preps):
         for key, d in inf.items():
             if infos.setdefault(key, d) != d:
                 errors.setdefault(r, []).append(f"ShardedTensor {key!r} is {d}, another rank has {infos[key]}")
-        for key, sp in spl.items():
-            if splits.setdefault(key, tuple(sp)) != tuple(sp):
-                errors.setdefault(r, []).append(f"ShardedTensor {key!r} split {tuple(sp)}, another rank {splits[key]}")
+        for key, (axis, ex) in spl.items():
+            if axes.setdefault(key, axis) != axis:
+                errors.setdefault(r, []).append(f"ShardedTensor {key!r} split along axis {axis}, another rank "
+                                                f"along axis {axes[key]}")
+            else:
+                extents.setdefault(key, []).append([tuple(x) for x in ex])
     out = {}
     for key, d in infos.items():
         info = KeyInfo.from_json(d)
-        if key in splits:
-            info.split = splits[key]
-            axis, k = info.split
-            if info.shape[info.prepend + axis] % k:
-                errors.setdefault(0, []).append(f"ShardedTensor {key!r}: axis {axis} of size "
-                                                f"{info.shape[info.prepend + axis]} does not split into {k} equal slabs")
+        if key in extents:
+            axis = axes[key]
+            k, info.cuts = _slabs(info.shape[info.prepend + axis], extents[key])
+            info.split = (axis, k)
         out[key] = info
     return out, errors
 
@@ -279,17 +325,17 @@ def _pieces(e: _Entry, info: KeyInfo) -> list[tuple[str, tuple, tuple, tuple, in
     if info.split is None:
         return [(e.base, e.shape, e.offsets, e.lengths, -1, 0, 0)]
     d, k = info.split
-    if e.shape[d] % k:
+    if info.cuts is None and e.shape[d] % k:
         raise ValueError(f"ShardedTensor {e.sh.key!r}: axis {d} of size {e.shape[d]} does not split into {k} equal slabs")
-    size = e.shape[d] // k
+    b = info.bounds()
     out = []
     o, n = e.offsets[d], e.lengths[d]
-    for i in range(o // size, -(-(o + n) // size) if n else o // size + 1):
-        lo, hi = max(o, i * size), min(o + n, (i + 1) * size)
-        if hi <= lo and n:
+    for i in range(k):  # an empty box has no piece: it holds nothing
+        lo, hi = max(o, b[i]), min(o + n, b[i + 1])
+        if hi <= lo:
             continue
-        shape = e.shape[:d] + (size,) + e.shape[d + 1:]
-        offs = e.offsets[:d] + (lo - i * size,) + e.offsets[d + 1:]
+        shape = e.shape[:d] + (b[i + 1] - b[i],) + e.shape[d + 1:]
+        offs = e.offsets[:d] + (lo - b[i],) + e.offsets[d + 1:]
         lens = e.lengths[:d] + (hi - lo,) + e.lengths[d + 1:]
         out.append((f"{e.base}#{i}/{k}", shape, offs, lens, d, lo - o, hi - o))
     return out
@@ -395,7 +441,7 @@ def to_load_targets(sharded_state_dict: Any, infos: dict[str, KeyInfo], object_s
             data = sh.data
             try:
                 pieces = _pieces(e, info)
-                if e.flat is not None and (len(pieces) > 1 or global_flat_range(*pieces[0][1:4], *e.flat) is None):
+                if e.flat is not None and (len(pieces) != 1 or global_flat_range(*pieces[0][1:4], *e.flat) is None):
                     box = torch.empty(e.lengths, dtype=sh.data.dtype)  # read the whole box, copy the slice out
                     out.after.append(lambda b=box, t=sh.data, a=e.flat[0], z=e.flat[1]: t.view(-1).copy_(b.view(-1)[a:z]))
                     e = _Entry(sh, e.base, e.shape, e.offsets, e.lengths, None)

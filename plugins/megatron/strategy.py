@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from unickpt import IntegrityError, SaveFailedError, StateMismatchError, ext
 
+from .errors import as_checkpointing_errors
 from .mapping import (OBJECT_PREFIX, KeyInfo, agree_layout, build_save_state, decode_object, prepare_save,
                       stored_object_sizes, to_load_targets)
 
@@ -215,7 +216,9 @@ class UnickptLoadShardedStrategy(LoadShardedStrategy):
     tensor) and returns the state dict with ShardedTensors replaced by their tensors and
     ShardedObjects by their values. Raises StateMismatchError on every rank when a requested key is
     missing from the checkpoint or its dtype or global shape differs (nothing is cast or cut), and
-    unickpt's load errors (IntegrityError, ...).
+    unickpt's load errors (IntegrityError, ...). Every unickpt error is raised as a subclass of its
+    class that is also megatron-core's ``CheckpointingException`` (:mod:`unickpt.megatron.errors`:
+    ``MegatronStateMismatchError``, ...), which megatron's callers catch.
     """
 
     def __init__(self, *, process_group: Any = None, object_policy: str = "error", allow_pickle: bool = False,
@@ -253,6 +256,7 @@ class UnickptLoadShardedStrategy(LoadShardedStrategy):
                                  f"({type(e).__name__}: {e}); not saved by unickpt.megatron?") from None
         return path, meta, infos
 
+    @as_checkpointing_errors()
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
         """Load in place (collective). See the class docstring."""
         from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
@@ -306,6 +310,7 @@ class UnickptLoadShardedStrategy(LoadShardedStrategy):
                            f"{stored[:8] or 'none'}; the parallel layout changed? object_policy='skip' drops it)")
         return out
 
+    @as_checkpointing_errors()
     def load_tensors_metadata(self, checkpoint_dir: str | Path, metadata: Any = None) -> dict:
         """Every stored ShardedTensor key -> a data-less ShardedTensor with its global shape and dtype."""
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -315,6 +320,7 @@ class UnickptLoadShardedStrategy(LoadShardedStrategy):
                     k, torch.empty(i.shape, dtype=ext.str_to_dtype(i.dtype), device="meta")).without_data()
                 for k, i in infos.items()}
 
+    @as_checkpointing_errors()
     def load_sharded_metadata(self, checkpoint_dir: str | Path) -> dict:
         """:meth:`load_tensors_metadata` plus every stored ShardedObject (data-less), by unique key."""
         from megatron.core.dist_checkpointing.mapping import ShardedObject

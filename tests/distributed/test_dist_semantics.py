@@ -103,7 +103,7 @@ def test_rank_dying_mid_save_fails_the_survivors_cleanly(tmp_path):
         with DistPool(2, timeout_s=120) as pool:
             pool.run(w.die_during_save, path, str(report))
     text = report.read_text()  # the pool lets survivors finish before it kills them
-    assert text.startswith("SaveFailedError:") and "lost contact with the other ranks" in text, text
+    assert text.startswith("SaveFailedError:") and "rank 0 lost contact with rank 1" in text, text
     assert not os.path.exists(os.path.join(path, "metadata.json"))
 
 

@@ -66,6 +66,21 @@ def test_retention_keeps_the_newest_and_the_job_wide_common_step(tmp_path):
     assert retain_steps(d, 2, None, busy=lambda p: True) == []  # in flight: never removed
 
 
+def test_retention_keeps_every_step_a_slower_rank_may_still_finish(tmp_path):
+    """Issue #29: a rank ahead keeps its copies newer than the step every rank is known to have
+    finished (the slowest rank may finish any of them before a crash: it becomes the last common one),
+    that step, and the newest at or below the watermark (restorable after a node loss)."""
+    d = str(tmp_path / "rank")
+    for s in range(3, 10):
+        _fake_copy(d, s)
+    assert retain_steps(d, 1, (5, 3), busy=lambda p: False, settled=5, unsettled_max=8) == [4]
+    assert sorted(os.listdir(d)) == ["step_3", "step_5", "step_6", "step_7", "step_8", "step_9"]
+    assert retain_steps(d, 1, (5, 3), busy=lambda p: False, settled=5, unsettled_max=2) == [6, 7]  # the bound
+    assert retain_steps(d, 1, (None, None), busy=lambda p: False, settled=None, unsettled_max=8) == []  # none known
+    assert retain_steps(d, 1, (8, 8), busy=lambda p: False, settled=8, unsettled_max=8) == [3, 5]
+    assert sorted(os.listdir(d)) == ["step_8", "step_9"]
+
+
 def test_retention_recycles_data_files_for_in_place_staging(tmp_path):
     d, spare = str(tmp_path / "rank"), str(tmp_path / "spare")
     for s in (1, 2, 3):

@@ -189,6 +189,8 @@ def main() -> int:
         result["last_step"] = last
         result["memory_bytes"] = ckpt.tiers.memory_bytes()
         result["agree_s"] = sorted(ckpt.tiers.agree_s)
+        last = ckpt.tiers.last_agreement  # the watermarks of the last retention
+        result["agreed"] = {"finished": last.finished, "watermark": last.watermark}
         if a.hold:
             with open(os.path.join(a.out, f"result_{rank}.json"), "w") as f:
                 json.dump(result, f)

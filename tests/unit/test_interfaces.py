@@ -122,11 +122,14 @@ def test_faults_fail_the_nth_matching_operation_only(tmp_path):
     assert not (tmp_path / "b" / "metadata.json").exists() and (tmp_path / "c" / "metadata.json").exists()
 
 
-def test_a_lying_disk_is_caught_at_load(tmp_path):
+def test_a_lying_disk_is_caught_before_the_commit_and_at_load(tmp_path):
     w = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB: one chunk, one checksum
     with inject(Fault("write", match="*.bin", action="truncate", keep=0.5)):
-        unickpt.save(tmp_path / "c", {"w": w})  # "succeeds": half the bytes are on disk
-    assert os.path.getsize(tmp_path / "c" / "data" / "0_0.bin") == (1 << 20) // 2
+        with pytest.raises(unickpt.SaveFailedError, match="1048576 bytes were written, the file holds 524288"):
+            unickpt.save(tmp_path / "c", {"w": w})  # the write "succeeds": half the bytes are on disk
+    assert not (tmp_path / "c" / "metadata.json").exists()
+    unickpt.save(tmp_path / "c", {"w": w})
+    os.truncate(tmp_path / "c" / "data" / "0_0.bin", (1 << 20) // 2)  # cut after the commit
     with pytest.raises(unickpt.IntegrityError, match="truncated checkpoint file"):
         unickpt.load(tmp_path / "c", {"w": torch.zeros(1 << 18)})
 
@@ -135,11 +138,12 @@ def test_fsync_and_commit_faults(tmp_path):
     with inject(Fault("fsync", match="*.bin")):
         with pytest.raises(unickpt.SaveFailedError, match=r"(?s)write stage: .*injected: fsync of"):
             unickpt.save(tmp_path / "a", {"w": torch.ones(4)})
-    assert (tmp_path / "a" / "data" / "0_0.bin").exists() and not (tmp_path / "a" / "metadata.json").exists()
+    assert not (tmp_path / "a").exists()  # the failed attempt's files are removed at once
     with inject(Fault("rename", match="*metadata.json")):
         with pytest.raises(unickpt.SaveFailedError, match=r"(?s)commit stage: .*injected: rename of .*b/metadata.json"):
             unickpt.save(tmp_path / "b", {"w": torch.ones(4)})
-    unickpt.save(tmp_path / "b", {"w": torch.ones(4)})  # the leftover is replaced by the next save
+    assert not (tmp_path / "b").exists()
+    unickpt.save(tmp_path / "b", {"w": torch.ones(4)})
 
 
 def test_faulty_storage_delegates_everything_else(tmp_path):

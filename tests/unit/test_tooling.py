@@ -349,10 +349,10 @@ def test_prune_ignores_a_step_dir_with_leading_zeros(tmp_path, capsys):
 
 # -- observability, CLI errors -----------------------------------------------------------------------
 def test_one_log_line_per_save_and_load_with_the_stats(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="unickpt"):
+    with caplog.at_level(logging.DEBUG, logger="unickpt"):  # routine records are DEBUG (issue #34)
         handle = unickpt.save(tmp_path / "c", {"w": torch.zeros(1000)}, step=3)
         stats = unickpt.load(tmp_path / "c", {"w": torch.empty(1000)})
-    lines = [r for r in caplog.records if r.name == "unickpt" and r.levelno == logging.INFO]
+    lines = [r for r in caplog.records if r.name == "unickpt" and r.levelno == logging.DEBUG]
     assert [r.unickpt_event for r in lines] == ["save", "load"]
     save_msg, load_msg = (r.getMessage() for r in lines)
     assert re.fullmatch(r"unickpt: committed \S+/c \(step 3\): 0\.0 MB in [\d.]+ s \([\d.]+ GB/s\), stall [\d.]+ s, 1 rank\(s\)",

@@ -138,6 +138,18 @@ def run_fsdp2() -> None:
             errors[name] = str(e)
         if before is not None:
             errors[name + ".untouched"] = not compare(before, full_state(target["model"], target["optim"]))
+    # a layer of another size: refused, and the fresh AdamW has no state afterwards (looked at before anything
+    # else reads it: torch's full-state-dict API would create its state), the parameters bitwise as they were
+    target = _other_layer_size()
+    params = {n: p.full_tensor().clone() for n, p in target["model"].named_parameters()}
+    try:
+        unickpt.load(ckpt, target, mapping="auto")
+        errors["layer_size"] = None
+    except unickpt.StateMismatchError as e:
+        errors["layer_size"] = str(e)
+    errors["layer_size.optim_empty"] = len(target["optim"].state) == 0
+    errors["layer_size.untouched"] = not compare(params, {n: p.full_tensor() for n, p in
+                                                          target["model"].named_parameters()})
     weights_only = sharded_net()
     unickpt.load(ckpt, {"model": weights_only}, mapping="auto")  # evaluation: the optimizer state stays behind
     same_weights = not compare({k: v for k, v in loaded.items() if k.startswith("param.")},
@@ -172,6 +184,20 @@ def _other_scheduler() -> dict:
     model = sharded_net()
     optim = adamw(model)
     return {"model": model, "optim": optim, "scheduler": torch.optim.lr_scheduler.StepLR(optim, 5)}
+
+
+def _other_layer_size() -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_net(seed=123)
+    model.body[2] = torch.nn.Linear(33, 20)  # 24 -> 20 outputs, and the next layer takes 20
+    model.body[4] = torch.nn.Linear(20, 4)
+    for layer in model.body:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optim = adamw(model)
+    return {"model": model, "optim": optim, "scheduler": torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda)}
 
 
 BAD_TARGETS = {"sgd": _sgd, "no_scheduler": _no_scheduler, "bf16": _bf16, "other_scheduler": _other_scheduler}

@@ -6,7 +6,7 @@ number of processes.
     torchrun --nproc_per_node=N lightning_accelerate.py accelerate OUT TAG --max-steps S [--save-at K] [--resume PATH]
 
 Each run writes ``OUT/<TAG>.json`` (its per-step global-batch losses, keyed by step), with ``--save-at K``
-a checkpoint after step K (``OUT/<TAG>_ckpt``: Lightning's pointer file ``step=K.ckpt`` in it, or
+a checkpoint after step K (``OUT/<TAG>_ckpt``: Lightning's checkpoint path (a sharded-route directory) ``step=K.ckpt`` in it, or
 Accelerate's folder) and ``OUT/<TAG>_saved.pt`` (the full state then, gathered by torch's full-state-dict
 API), with ``--resume`` ``OUT/<TAG>_loaded.pt`` (the full state right after the restore). Ten steps make an
 epoch on every world size (a dataloader of 10 batches per process; the data come from the step number).

@@ -114,6 +114,11 @@ def test_what_cannot_move_is_refused_by_name_before_anything_changes(deepspeed_t
     assert "'model.body.0.weight' <- 'module.body.0.weight' (float32 [33, 16] -> bfloat16 [33, 16])" in errors["bf16"]
     assert "'scheduler': the checkpoint's scheduler state has keys" in errors["other_scheduler"]
     assert "'gamma', 'last_epoch', 'step_size']" in errors["other_scheduler"]
+    # a layer of another size: refused by name; the fresh AdamW holds no state afterwards (it held zero-filled
+    # state for every parameter), the parameters are bitwise as they were
+    assert "'model.body.2.weight' <- 'optimizer.fp32.body.2.weight' (float32 [24, 33] -> float32 [20, 33])" \
+        in errors["layer_size"], errors["layer_size"]
+    assert errors["layer_size.optim_empty"] and errors["layer_size.untouched"]
     assert doc["weights_only_equal"]  # a model alone (evaluation) takes the weights, the optimizer state stays behind
     refused = json.load(open(deepspeed_to_fsdp2 / "ds.json"))["refused"]
     assert refused.endswith("other/plain' was written by unickpt.save; a DeepSpeed engine loads DeepSpeed checkpoints "

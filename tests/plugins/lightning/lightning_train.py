@@ -3,12 +3,15 @@ DDP launcher re-executes this file once per extra device).
 
     python tests/plugins/lightning/lightning_train.py --strategy ddp|mp|fsdp|single --devices N --epochs E
         --ckpt-dir DIR [--io plugin|none] [--resume PATH|last] [--out FILE] [--dump-restored FILE]
+        [--watch-listings]
 
 ``--io plugin`` passes ``UnickptCheckpointIO()``; ``--io none`` leaves the script unmodified (the
 environment decides: ``UNICKPT_LIGHTNING=1`` activates unickpt through the entry point). Rank 0
 writes ``--out``: per-step losses, the final full model and optimizer state (gathered for sharded
 strategies), scheduler state, and what the run saw (callbacks, CheckpointIO class, save stalls).
 ``--dump-restored`` writes the same full state right after a checkpoint was restored.
+``--watch-listings`` records every state of the checkpoint folder's listing that rank 0's process
+produced (:mod:`listing_spy`) into ``--out`` (``listings``).
 """
 from __future__ import annotations
 
@@ -97,8 +100,9 @@ def full_state(trainer: L.Trainer, module: Tiny) -> dict:
 
 
 class Recorder(Callback):
-    def __init__(self, args):
+    def __init__(self, args, listings=None):
         self.args = args
+        self.listings = listings
         self.pending_at_batch = 0
 
     def on_train_start(self, trainer, pl_module):
@@ -129,7 +133,7 @@ class Recorder(Callback):
                          io=type(trainer.strategy.checkpoint_io).__name__,
                          best_k=sorted(os.path.basename(p) for p in trainer.checkpoint_callback.best_k_models),
                          last=os.path.basename(trainer.checkpoint_callback.last_model_path or ""),
-                         pending_at_batch=self.pending_at_batch,
+                         pending_at_batch=self.pending_at_batch, listings=self.listings,
                          stall_s=None if io is None or io.last_handle is None else io.last_handle.stats.stall_s)
             torch.save(state, self.args.out)
 
@@ -153,7 +157,13 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--dump-restored", default=None)
     p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--watch-listings", action="store_true")
     args = p.parse_args()
+    listings = None
+    if args.watch_listings:
+        import listing_spy  # beside this script, on sys.path as its folder
+
+        listings = listing_spy.watch(os.path.abspath(args.ckpt_dir))
 
     L.seed_everything(0, verbose=False)
     plugins = []
@@ -190,7 +200,7 @@ def main() -> None:
     ckpt = ModelCheckpoint(dirpath=args.ckpt_dir, monitor="train_loss", save_top_k=args.top_k, save_last=True,
                            every_n_epochs=1, filename="{epoch}-{step}")
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, plugins=plugins,
-                        max_epochs=args.epochs, callbacks=[ckpt, Recorder(args)], logger=False,
+                        max_epochs=args.epochs, callbacks=[ckpt, Recorder(args, listings)], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         deterministic=True)
     model = Tiny(sharded=sharded)

@@ -181,7 +181,7 @@ def test_damaged_checkpoint_is_one_clear_error_on_every_reader(tmp_path):
                 read(tmp_path / "cut.ckpt")
     good = {"format": "unickpt-lightning", "format_version": 1, "checkpoint": "x.ckpt.unickpt/step_1",
             "route": "io", "global_step": 1, "tensors_from": None}
-    cases = [("checkpoint", None, "the relative path of a checkpoint version ('<name>.unickpt/step_<v>')", "missing"),
+    cases = [("checkpoint", None, "the relative path of a checkpoint version ('<name>/step_<v>')", "missing"),
              ("route", "fsdp", "'io' or 'sharded'", "'fsdp'"),
              ("global_step", "7", "an integer or null", "'7'")]
     for field, value, expected, actual in cases:
@@ -464,11 +464,17 @@ def test_unset_environment_leaves_lightning_unchanged(tmp_path):
 
 def test_model_parallel_fsdp2_saved_on_2_resumed_on_1_and_3(tmp_path):
     ck = tmp_path / "ck"
-    saved = train(tmp_path, "mp2", "--strategy", "mp", "--devices", 2, "--epochs", 2, "--ckpt-dir", ck)
-    assert pointer(ck / "last.ckpt") == {"format": "unickpt-lightning", "format_version": 1, "route": "sharded",
-                                         "checkpoint": "last.ckpt.unickpt/step_2", "global_step": 6,
-                                         "tensors_from": "epoch=1-step=6.ckpt.unickpt/step_1"}  # save_last: a link
-    meta = unickpt.CheckpointMetadata.from_json((ck / "epoch=1-step=6.ckpt.unickpt/step_1/metadata.json").read_bytes())
+    saved = train(tmp_path, "mp2", "--strategy", "mp", "--devices", 2, "--epochs", 2, "--ckpt-dir", ck,
+                  "--watch-listings")
+    # the folder lists what Lightning's own sharded IO leaves (one directory per checkpoint), at every moment
+    names = ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"]
+    assert sorted(os.listdir(ck)) == names and all(os.path.isdir(ck / n) for n in names)
+    assert saved["listings"] and all(set(seen) <= set(names) for seen in saved["listings"]), saved["listings"]
+    assert pointer(ck / "last.ckpt" / "unickpt-lightning.json") == {
+        "format": "unickpt-lightning", "format_version": 1, "route": "sharded", "checkpoint": "last.ckpt/step_2",
+        "global_step": 6, "tensors_from": None}  # save_last: a whole checkpoint, its older version deleted
+    assert sorted(os.listdir(ck / "last.ckpt")) == ["step_2", "unickpt-lightning.json"]
+    meta = unickpt.CheckpointMetadata.from_json((ck / "epoch=1-step=6.ckpt/step_1/metadata.json").read_bytes())
     assert meta.layout["world_size"] == 2 and len(meta.tensors["state_dict.net.0.weight"].specs()) == 2
     for n, steps_per_epoch in ((1, 6), (3, 2)):
         restored = tmp_path / f"restored{n}.pt"
@@ -498,7 +504,8 @@ def test_model_parallel_full_state_dict_through_checkpoint_io(tmp_path):
 def test_fsdp1_sharded_state_dict_resume(tmp_path):
     ck = tmp_path / "ck"
     train(tmp_path, "fsdp", "--strategy", "fsdp", "--devices", 2, "--epochs", 2, "--ckpt-dir", ck)
-    assert pointer(ck / "last.ckpt")["route"] == "sharded"
+    assert pointer(ck / "last.ckpt" / "unickpt-lightning.json")["route"] == "sharded"
+    assert sorted(os.listdir(ck)) == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"]  # as Lightning's
     restored = tmp_path / "restored.pt"
     run = train(tmp_path, "fsdp_resume", "--strategy", "fsdp", "--devices", 2, "--epochs", 3, "--ckpt-dir",
                 tmp_path / "ck2", "--resume", ck / "last.ckpt", "--dump-restored", restored)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 pytest.importorskip("lightning")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from lightning.fabric.utilities.cloud_io import _load as pl_load  # noqa: E402  (bound before the plugin exists)
 from lightning.pytorch import LightningModule, Trainer  # noqa: E402
@@ -72,6 +73,50 @@ def test_listing_shows_only_the_checkpoint_files(tmp_path):
     io.remove_checkpoint(tmp_path / "epoch=0-step=2.ckpt")
     assert sorted(os.listdir(tmp_path)) == expected[1:]
     assert torch.equal(io.load_checkpoint(tmp_path / "last.ckpt")["state_dict"]["layer.bias"], torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_listing_never_shows_a_temporary_name_during_a_trainer_run(tmp_path, monkeypatch, async_save):
+    """At every moment of a Trainer run (saves in flight, overwrites of last.ckpt, top-k removals) a
+    listing of the checkpoint folder shows only names Lightning saved, and afterwards exactly what
+    Lightning's own IO leaves; Lightning's own regression test lists the folder from a hook
+    (an earlier release showed ``.unickpt-tmp-<hex>`` while a checkpoint was renamed into place)."""
+    import listing_spy
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    def run(root, io, watch):
+        saved: set = set()
+        original = io.save_checkpoint
+
+        def save_checkpoint(checkpoint, path, storage_options=None):
+            saved.add(os.path.basename(path))
+            return original(checkpoint, path, storage_options)
+
+        io.save_checkpoint = save_checkpoint
+        hooks: list = []
+
+        class Listed(BoringModel):
+            def training_step(self, batch, batch_idx):
+                self.log("step", float(self.global_step))
+                return super().training_step(batch, batch_idx)
+
+            def on_train_batch_start(self, batch, batch_idx):
+                if os.path.isdir(root):
+                    hooks.append(sorted(os.listdir(root)))
+
+        mc = ModelCheckpoint(dirpath=root, monitor="step", mode="max", save_top_k=2, save_last=True,
+                             every_n_train_steps=1)
+        seen = listing_spy.watch(str(root), monkeypatch.setattr) if watch else []
+        Trainer(max_epochs=2, limit_train_batches=3, limit_val_batches=0, callbacks=[mc], logger=False,
+                enable_progress_bar=False, enable_model_summary=False, plugins=[io]).fit(Listed())
+        monkeypatch.undo()
+        return saved, seen, hooks, sorted(os.listdir(root))
+
+    saved, seen, hooks, final = run(tmp_path / "ours", UnickptCheckpointIO(async_save=async_save), watch=True)
+    _, _, theirs_hooks, theirs = run(tmp_path / "theirs", TorchCheckpointIO(), watch=False)
+    assert len(seen) > 10 and all(set(names) <= saved for names in seen), [n for n in seen if not set(n) <= saved]
+    assert hooks == theirs_hooks and final == theirs == ["epoch=1-step=4.ckpt", "epoch=1-step=5.ckpt", "last.ckpt"]
+    assert sorted(os.listdir(tmp_path)) == ["ours", "theirs"]  # the hidden folder of a rename is gone too
 
 
 def test_path_exists_when_save_returns(tmp_path, monkeypatch, in_run):

@@ -327,3 +327,105 @@ def padded_load(path: str) -> list:
             continue
         out.append(got is sh.data and torch.equal(got, want[3 * r:3 * r + 3]))
     return out
+
+
+# ---- several shards of one key per rank, of unequal sizes (megatron-core's test_uneven_1d_sharding_multiple_shards) -- #
+def _uneven_shards(split: list, fill: bool) -> dict:
+    """This rank's ShardedTensors of a 1-D key ``"a"`` cut by ``split`` (one list of shard lengths per
+    rank, in global order): values are the global element indices (``fill``) or NaN."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    r = dist.get_rank()
+    total, at = sum(map(sum, split)), sum(map(sum, split[:r]))
+    out = {}
+    for i, n in enumerate(split[r]):
+        data = torch.arange(at, at + n, dtype=torch.float32) if fill else torch.full((n,), float("nan"))
+        out[i] = ShardedTensor("a", data, data.dtype, tuple(data.shape), (total,), (at,), None)
+        at += n
+    return out
+
+
+def uneven_save_load(path: str, src: list, dest: list) -> list:
+    """dist_checkpointing.save with the unickpt strategy of the shards of ``src``, then load into the
+    shards of ``dest``. Returns, per shard of ``dest`` on this rank, whether it holds its global indices
+    (bitwise), or ``(error type, message)`` of a failed save."""
+    _shim()
+    import unickpt.megatron as um
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    try:
+        dist_checkpointing.save(_uneven_shards(src, True), path, um.UnickptSaveShardedStrategy())
+    except Exception as e:
+        return [(type(e).__name__, str(e))]
+    want = _uneven_shards(dest, True)
+    got = dist_checkpointing.load(_uneven_shards(dest, False), path, um.UnickptLoadShardedStrategy())
+    return [sorted(got) == sorted(want) and torch.equal(got[i], want[i].data) for i in sorted(want)]
+
+
+def load_errors(path: str) -> list:
+    """Save a (2, 16) key (columns split over the 4 ranks), then load it as (2, 12) and under a key the
+    checkpoint lacks, through dist_checkpointing.load (megatron-core's test_tensor_shape_mismatch and
+    test_load_error_msg). Returns per load: (is a CheckpointingException, is a unickpt.StateMismatchError,
+    is a ValueError, type name, message)."""
+    _shim()
+    import unickpt
+    import unickpt.megatron as um
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    r = dist.get_rank()
+    if r == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("keyA", torch.ones(2, 4), (1, r, 4))}, path,
+                            um.UnickptSaveShardedStrategy())
+    out = []
+    for key, cols in (("keyA", 3), ("different_key", 4)):
+        try:
+            dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets(key, torch.zeros(2, cols), (1, r, 4))}, path)
+            out.append("no error")
+        except Exception as e:
+            out.append((isinstance(e, CheckpointingException), isinstance(e, unickpt.StateMismatchError),
+                        isinstance(e, ValueError), type(e).__name__, str(e)))
+    return out
+
+
+def logs_at_info(path: str) -> list[str]:
+    """With the root logger at INFO (megatron-core's test conftest sets it so), a dist_checkpointing
+    save and load with the unickpt strategies; returns every record at INFO or above that reached the
+    root logger on this rank, as "logger LEVEL message"."""
+    _shim()
+    import logging
+
+    import unickpt.megatron as um
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(f"{record.name} {record.levelname} {record.getMessage()}")
+
+    r = dist.get_rank()
+    if r == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    root, handler = logging.getLogger(), Keep(logging.INFO)
+    level = root.level
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+    try:
+        sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0) + 8 * r, (0, r, 4))}
+        dist_checkpointing.save(sd, path, um.UnickptSaveShardedStrategy())
+        sd = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8), (0, r, 4))}
+        loaded = dist_checkpointing.load(sd, path, um.UnickptLoadShardedStrategy())
+        assert torch.equal(loaded["w"], torch.arange(8.0) + 8 * r)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    return records

@@ -90,7 +90,7 @@ def test_sharded_object_layout_change_is_an_error(mpool, saved_tp2):
     path, _, _ = saved_tp2
     mpool.run(W.setup, 1)
     errs = mpool.run(W.load_expect_error, path)
-    assert {e[0] for e in errs} == {"StateMismatchError"}
+    assert {e[0] for e in errs} == {"MegatronStateMismatchError"}
     assert "ShardedObject 'rng_state/shard_0.0_1.1' is not in the checkpoint" in errs[0][1]
     assert "['rng_state/shard_0.0_1.2', 'rng_state/shard_0.1_1.2']" in errs[0][1]
     assert errs[0][1] == errs[3][1]
@@ -158,15 +158,81 @@ def test_missing_key_fails_everywhere(mpool, tmp_path):
     path = str(tmp_path / "flat2")
     mpool.run(W.flat_save, path)
     errs = mpool.run(W.load_missing_key, path)
-    assert {e[0] for e in errs} == {"StateMismatchError"}
+    assert {e[0] for e in errs} == {"MegatronStateMismatchError"}
     assert "rank 3: ShardedTensor 'no.such.key' is not in the checkpoint" in errs[0][1]
     # a different global shape is an error, unless the ShardedTensor allows it (megatron's padded
     # vocabularies, whose padding changes with TP): then zeros plus the stored overlap, as torch_dist does
     res = mpool.run(W.padded_load, path)
     assert [r[1] for r in res] == [True] * 4
-    assert {r[0][0] for r in res} == {"StateMismatchError"}
+    assert {r[0][0] for r in res} == {"MegatronStateMismatchError"}
     assert ("rank 3: ShardedTensor 'optimizer.state.exp_avg.w': checkpoint has shape [8, 6] dtype float32 prepended "
             "axes 0, the state has shape [12, 6] dtype float32 prepended axes 0") in res[0][0][1]
+
+
+UNEVEN = [  # (src, dest): per rank, the lengths of its shards of one 1-D key, in global order
+    ([[3]] * 4, None),
+    ([[]] * 3 + [[3, 3]], None),  # one rank holds two equal halves: stored as 2 equal slabs
+    ([[4], [7, 8], [1], [3, 3]], None),  # unequal shards: "'a#0/2': the ranks' shards cover 11 of 13 elements"
+    ([[4], [7, 8], [1], [3, 3]], [[2, 4], [], [5, 9], [1, 1, 1, 1, 1, 1]]),
+    ([[2]] * 2 + [[10]] * 2, [[10]] * 2 + [[2]] * 2),
+    ([[3]] * 4, [[2, 4]] * 2 + [[]] * 2),
+]
+
+
+@pytest.mark.parametrize("src,dest", UNEVEN)
+def test_uneven_multiple_shards_per_rank(mpool, tmp_path, src, dest):
+    """megatron-core's test_uneven_1d_sharding_multiple_shards on 4 ranks: several shards of one key on
+    one rank, of unequal sizes, save and load bitwise, also into another split."""
+    dest = dest or src
+    assert mpool.run(W.uneven_save_load, str(tmp_path / "u"), src, dest) == [[True] * len(d) for d in dest]
+    meta = unickpt.CheckpointMetadata.from_json(open(tmp_path / "u" / "unickpt" / "metadata.json").read())
+    key = meta.extra["megatron"]["keys"]["a"]
+    if src == [[4], [7, 8], [1], [3, 3]]:  # cut after each shard but the last of a rank holding several
+        assert key["split"] == [0, 3] and key["cuts"] == [11, 23]
+        assert {k: t.shape for k, t in meta.tensors.items()} == {"a#0/3": (11,), "a#1/3": (12,), "a#2/3": (3,)}
+    elif src == [[]] * 3 + [[3, 3]]:
+        assert key["split"] == [0, 2] and key.get("cuts") is None
+        assert {k: t.shape for k, t in meta.tensors.items()} == {"a#0/2": (3,), "a#1/2": (3,)}
+
+
+def test_slab_rule():
+    """Equal slabs only where every rank holding several pieces has each in a slab of its own; else cuts
+    after each piece but the last of every such rank."""
+    from unickpt.megatron.mapping import KeyInfo, _slabs
+
+    assert _slabs(256, [[(0, 64), (128, 64)], [(64, 64), (192, 64)]]) == (2, None)  # SwiGLU at TP 2
+    assert _slabs(26, [[(4, 7), (11, 8)], [(20, 3), (23, 3)]]) == (3, (11, 23))  # unequal sizes
+    assert _slabs(12, [[(0, 4), (4, 8)]]) == (2, (4,))  # two pieces, one across the middle
+    assert _slabs(12, [[(0, 3), (6, 3)], [(3, 1), (4, 1), (9, 3)]]) == (4, (3, 4, 5))  # 2 and 3 pieces
+    d = {"shape": [5, 26], "dtype": "float32", "prepend": 1, "split": [0, 3], "cuts": [11, 23]}
+    assert KeyInfo.from_json(d).bounds() == (0, 11, 23, 26) and KeyInfo.from_json(d).to_json() == d
+    with pytest.raises(ValueError, match=r"^slab cuts \[23, 11\] do not fit split \(0, 3\) of shape \[5, 26\]$"):
+        KeyInfo.from_json({**d, "cuts": [23, 11]})
+
+
+def test_load_errors_are_checkpointing_exceptions(mpool, tmp_path):
+    """megatron's callers catch CheckpointingException around dist_checkpointing.load: a shape mismatch and
+    a key missing from the checkpoint raise, on every rank, an error that is both that and unickpt's
+    StateMismatchError (a ValueError), naming the key and both shapes."""
+    path = str(tmp_path / "err")
+    res = mpool.run(W.load_errors, path)
+    where = repr(os.path.join(path, "unickpt"))
+    shape = ("ShardedTensor 'keyA': checkpoint has shape [2, 16] dtype float32 prepended axes 0, the state has "
+             "shape [2, 12] dtype float32 prepended axes 0")
+    assert res[0][0] == (True, True, True, "MegatronStateMismatchError",
+                         f"{where}: the checkpoint does not match the requested sharded state: "
+                         + "; ".join(f"rank {r}: {shape}" for r in range(4)))
+    assert res[0][1] == (True, True, True, "MegatronStateMismatchError",
+                         f"{where}: the checkpoint does not match the requested sharded state: "
+                         + "; ".join(f"rank {r}: ShardedTensor 'different_key' is not in the checkpoint" for r in range(4)))
+    assert all(r == res[0] for r in res)
+
+
+def test_no_info_records_with_the_root_logger_at_info(mpool, tmp_path):
+    """megatron-core's conftest sets the root logger to INFO and its tests assert that a save and a load
+    log nothing (caplog.text == ''): unickpt's routine records (one per committed save and per load, on
+    group rank 0 only) are at DEBUG, so no rank sees a record at INFO or above."""
+    assert mpool.run(W.logs_at_info, str(tmp_path / "logs")) == [[]] * 4
 
 
 def test_global_flat_range():

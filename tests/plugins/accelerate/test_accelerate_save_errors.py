@@ -1,0 +1,58 @@
+"""unickpt.accelerate: a failed background save is reported by the next ``save_state`` (which waits for
+it) as ``unickpt.EarlierSaveFailedError`` naming the save, once, or with ``on_error="warn"`` as a
+warning; the following saves run (in-process, one process; the multi-process rule is the engine's:
+tests/distributed/test_save_errors_dist.py)."""
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from test_accelerate import _tiny, accelerator_factory  # noqa: F401 - the fixture
+
+import unickpt
+import unickpt.accelerate
+from unickpt.testing import Fault, inject
+
+
+def _enospc(folder) -> Fault:
+    return Fault("write", match=f"{folder}{os.sep}unickpt{os.sep}*{os.sep}data{os.sep}*", nth=None,
+                 errno=errno.ENOSPC)
+
+
+def test_the_next_save_state_raises_the_failure_once(tmp_path, accelerator_factory):  # noqa: F811
+    acc = accelerator_factory()
+    _tiny(acc)
+    with inject(_enospc(tmp_path / "a")):
+        acc.save_state(str(tmp_path / "a"))
+        with pytest.raises(unickpt.EarlierSaveFailedError) as info:
+            acc.save_state(str(tmp_path / "b"))
+    err = info.value
+    failed = str(tmp_path / "a" / "unickpt" / "step_0")
+    assert err.steps == [0] and err.path == failed
+    assert str(err).startswith(f"1 earlier asynchronous save(s) failed: step 0 ({failed!r})")
+    assert isinstance(err.__cause__, unickpt.SaveFailedError) and "No space left on device" in str(err.__cause__)
+    assert not (tmp_path / "b").exists()  # the save_state that raised saved nothing
+    acc.save_state(str(tmp_path / "b"))  # the following saves run; nothing is raised again
+    unickpt.accelerate.wait()
+    acc.load_state(str(tmp_path / "b"))
+
+
+def test_on_error_warn(tmp_path, accelerator_factory):  # noqa: F811
+    acc = accelerator_factory()
+    unickpt.accelerate.enable(acc, on_error="warn")
+    _tiny(acc)
+    with inject(_enospc(tmp_path / "a")):
+        acc.save_state(str(tmp_path / "a"))
+        with pytest.warns(RuntimeWarning, match=r"^unickpt: the asynchronous save of step 0 \('.*/a/unickpt/step_0'\) "
+                          r"failed \(OSError: \[Errno 28\] No space left on device .*\); on_error='warn'") as rec:
+            acc.save_state(str(tmp_path / "b"))
+    assert len(rec) == 1
+    unickpt.accelerate.wait()
+    acc.load_state(str(tmp_path / "b"))
+    with pytest.raises(ValueError, match=r"option on_error must be one of \['raise', 'warn'\], got 'ignore'"):
+        unickpt.accelerate.enable(acc, on_error="ignore")
+    with pytest.raises(ValueError, match=r"got 'ignore' \(from UNICKPT_ACCELERATE_ON_ERROR\)"):
+        unickpt.accelerate.options_from_env({"UNICKPT_ACCELERATE_ON_ERROR": "ignore"})
+    assert unickpt.accelerate.options_from_env({"UNICKPT_ACCELERATE_ON_ERROR": "warn"}).on_error == "warn"
