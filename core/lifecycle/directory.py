@@ -247,4 +247,11 @@ def prepare_target(storage: Any, path: str, *, in_flight: Callable[[str], bool],
         storage.rm(path)
     storage.makedirs(storage.join(path, "data"))
     if writer:
-        storage.write_small(storage.join(path, WRITER_FILE), writer_record())
+        try:
+            storage.write_small(storage.join(path, WRITER_FILE), writer_record())
+        except BaseException:  # a directory without a writer record would be nobody's: remove it now
+            try:
+                storage.rm(path)
+            except OSError:
+                log.warning("unickpt: could not remove %s after its writer record failed", path, exc_info=True)
+            raise

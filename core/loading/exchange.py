@@ -9,7 +9,9 @@ is its ordinal among the transfers between the two ranks, which both sides numbe
 reads the segments the read plan gives it (ranged reads,
 touching segments of one chunk coalesced into one request, ``read_threads`` in flight), verifies them,
 sends each to the other ranks that need it, then copies everything into the caller's tensors (or has
-read it straight into them). A failed read does not stop the rank from serving its peers; the
+read it straight into them). Before its first read a rank checks the length of every file it reads
+(one ``size`` per file): a truncated file fails the load before any of this rank's bytes land. A
+failed read does not stop the rank from serving its peers; the
 failure is raised on every rank after the last round (one ``all_gather_object``, 2 collectives).
 With redistribution off every rank reads its own needs and nothing is sent.
 """
@@ -24,6 +26,7 @@ import torch.distributed as dist
 
 from ..dist import failures
 from ..dist.comm import Comm
+from ..errors import IntegrityError
 from ..options import LoadOptions
 from ..plan.read_plan import Segment, batches
 from .reads import copy_overlaps, read_ranges, verify_ranges
@@ -61,13 +64,15 @@ def read_and_exchange(comm: Comm, storage: Any, path: str, table: ChunkTable, ne
     tags = _tags(me, segments)
     index_of = {id(s): i for i, s in enumerate(segments)}
     threads = options.read_threads
-    error: BaseException | None = None
+    error: BaseException | None = _check_file_lengths(storage, path, table, [s for s in segments if s.reader == me])
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="unickpt-read") as pool:
         for round_segments in batches(segments, sizes, budget):
             stats.rounds += 1
             buffers: dict[int, tuple[torch.Tensor, int]] = {}
             for cid in dict.fromkeys(s.chunk_id for s in round_segments):
-                if cid in need.direct:
+                if cid in need.direct and error is not None:  # failed already: only serve the peers
+                    buffers[cid] = (torch.empty(sizes[cid], dtype=torch.uint8), 0)
+                elif cid in need.direct:
                     buffers[cid] = (need.direct[cid], 0)
                 elif cid in need.ranges:
                     rs = need.ranges[cid]
@@ -126,6 +131,29 @@ def read_and_exchange(comm: Comm, storage: Any, path: str, table: ChunkTable, ne
     if comm.world_size > 1 or error is not None:
         failures.agree(comm, path, error)
     return filled
+
+
+def _check_file_lengths(storage: Any, path: str, table: ChunkTable, mine: list[Segment]) -> BaseException | None:
+    """Before this rank's first read: every file it reads holds the bytes its segments need (one
+    ``size`` per file). A truncated file is then an IntegrityError naming the file, its length and the
+    length needed, and this rank copies nothing into the caller's tensors (its peers are still served
+    and the error reaches every rank at the end, as any failed read's), instead of a load that fails
+    half-way with the bytes before the cut already in place. A file that cannot be looked at is left
+    to its read."""
+    need: dict[str, int] = {}
+    for seg in mine:
+        chunk = table.chunk(seg.chunk_id)
+        file = storage.join(path, chunk.file)
+        need[file] = max(need.get(file, 0), chunk.byte_offset + seg.start + seg.length)
+    for file, nbytes in need.items():
+        try:
+            held = storage.size(file)
+        except OSError:
+            continue
+        if held < nbytes:
+            return IntegrityError(f"truncated checkpoint file: {file}: the file holds {held} bytes, the checkpoint "
+                                  f"needs {nbytes} (the file is truncated)")
+    return None
 
 
 def _coalesce(segments: list[Segment]) -> list[list[Segment]]:

@@ -370,7 +370,12 @@ def _per_rank_states(comm: Comm, storage: Any, path: str, meta: CheckpointMetada
             rel = info["files"][r]
             if rel is None:
                 raise IntegrityError(f"{path!r}: rank {r} saved no per-rank state file")
-            files[r] = json.loads(storage.read_bytes(storage.join(path, rel)))
+            raw = storage.read_bytes(storage.join(path, rel))
+            try:
+                files[r] = json.loads(raw)
+            except ValueError as e:  # a truncated or damaged file: never a bare JSONDecodeError
+                raise IntegrityError(f"{path!r}: the per-rank state file {rel!r} of rank {r} is damaged or "
+                                     f"truncated ({len(raw)} bytes): {e}") from e
         return files[r]
 
     out = {}

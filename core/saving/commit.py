@@ -6,8 +6,8 @@ on the private *background* gloo group, after the drain (:meth:`~unickpt.saving.
 1. each rank checks that each of its data files holds the bytes the plan gives it (a short write,
    a disk that reported more than it kept, fails the save here: one ``size`` per file), then writes
    its per-rank object file and, when the plan has split tensors (format v2), its index file
-   ``index/<rank>.idx`` (the files, offsets and checksums of its parts of them); both are uploaded
-   with ``upload_to``;
+   ``index/<rank>.idx`` (the files, offsets and checksums of its parts of them), each checked the
+   same way; both are uploaded with ``upload_to``;
 2. ``all_gather`` of every rank's outcome as compact JSON (**2 collectives**, no pickle: places and
    checksums of its explicit chunks, its object file, or its failure with the stage's name);
 3. if every rank succeeded, group rank 0 builds the metadata (:func:`build_metadata`) and writes it
@@ -163,7 +163,7 @@ class Committer:
                 data = meta.to_json().encode()
                 if req.options.upload_to is not None:
                     Uploader.commit(req, data)
-                req.storage.write_atomic(req.storage.join(req.path, METADATA_FILE), data)
+                _write_commit_marker(req.storage, req.storage.join(req.path, METADATA_FILE), data)
             except BaseException as e:
                 status = "commit stage: " + format_exc(e)
             else:
@@ -207,7 +207,7 @@ class Committer:
         storage = req.storage
         # mkdir, not makedirs: a save directory removed meanwhile is not brought back
         storage.mkdir(storage.join(req.path, rel.split("/")[0]))
-        stats.bytes_written += storage.write_file(storage.join(req.path, rel), [snap.per_rank_blob])
+        stats.bytes_written += _write_checked(storage, storage.join(req.path, rel), snap.per_rank_blob)
         if req.options.upload_to is not None:
             try:
                 stats.bytes_uploaded += Uploader.upload_file(req, rel)
@@ -223,8 +223,8 @@ class Committer:
         rel = index_file(self.rank)
         storage = req.storage
         storage.mkdir(storage.join(req.path, INDEX_DIR))
-        stats.bytes_written += storage.write_file(storage.join(req.path, rel),
-                                                  [encode_index(self.rank, len(plan.splits), records)])
+        stats.bytes_written += _write_checked(storage, storage.join(req.path, rel),
+                                              encode_index(self.rank, len(plan.splits), records))
         if req.options.upload_to is not None:
             try:
                 stats.bytes_uploaded += Uploader.upload_file(req, rel)
@@ -237,11 +237,7 @@ class Committer:
         written and the bytes it holds. One ``size`` per file."""
         storage = req.storage
         for rel, nbytes in plan.segments[self.rank]:
-            path = storage.join(req.path, rel)
-            held = storage.size(path)
-            if held != nbytes:
-                raise OSError(errno.EIO, f"{path}: {nbytes} bytes were written, the file holds {held} "
-                                         f"(a short write)")
+            _check_size(storage, storage.join(req.path, rel), nbytes)
 
     def _failed_attempt(self, req: SaveRequest, now: bool) -> None:
         """Group rank 0, the save into ``req.path`` failed: mark its writer record and remove its
@@ -307,3 +303,37 @@ class Committer:
         log.debug("unickpt: committed %s (step %s): %.1f MB in %.3f s (%.2f GB/s), stall %.3f s, %d rank(s)",
                   req.path, stats.step, nbytes / 1e6, stats.total_s, nbytes / 1e9 / max(stats.total_s, 1e-9),
                   stats.stall_s, self.world_size, extra={"unickpt_event": "save", "unickpt_stats": stats})
+
+
+def _check_size(storage: Any, path: str, nbytes: int) -> None:
+    """``path`` holds the ``nbytes`` bytes written to it; else OSError(EIO) naming the file, the bytes
+    written and the bytes it holds (a short write: a disk that accepted a write and kept less)."""
+    held = storage.size(path)
+    if held != nbytes:
+        raise OSError(errno.EIO, f"{path}: {nbytes} bytes were written, the file holds {held} (a short write)")
+
+
+def _write_checked(storage: Any, path: str, blob: bytes) -> int:
+    """Write ``blob`` (a per-rank object file, an index file) to ``path`` and check the file holds all of
+    it (:func:`_check_size`). Returns the bytes written."""
+    n = storage.write_file(path, [blob])
+    _check_size(storage, path, len(blob))
+    return n
+
+
+def _write_commit_marker(storage: Any, path: str, data: bytes) -> None:
+    """Write ``metadata.json`` (the commit) atomically. Storage may report an error after the replace
+    took effect (a network file system's reply lost, a failing directory sync): then the file is read
+    back, and if it holds exactly ``data`` the save is committed (logged as a warning), since a load
+    and a listing already see it; any other outcome raises the write's error."""
+    try:
+        storage.write_atomic(path, data)
+    except Exception as e:
+        try:
+            landed = storage.read_bytes(path) == data
+        except Exception:  # noqa: BLE001 - cannot tell: the write's own error stands
+            landed = False
+        if not landed:
+            raise
+        log.warning("unickpt: the storage reported an error writing %s (%r), but it holds this save's commit: "
+                    "the save is committed", path, e)

@@ -153,9 +153,8 @@ class Saver:
             self.guards.guard(progress, stats, snap.optimizers)
         handle = SaveHandle(self._commits.submit(self._commit, req, progress, snap, stats), stats, progress, seq=seq,
                             on_error=on_error)
-        with self._lock:  # finished saves whose outcome needs no report are dropped
-            self._pending = [h for h in self._pending
-                             if not (h.done() and (h.error_reported or h._future.exception() is None))]
+        with self._lock:  # finished saves that committed need no report; failed ones wait for the agreement
+            self._pending = [h for h in self._pending if not (h.done() and h._future.exception() is None)]
             self._pending.append(handle)
         # the hand-off comes last: the save thread wakes up and competes for the GIL
         self._queue.put((req, progress, snap, stats))
@@ -287,20 +286,33 @@ class Saver:
         count); none in a world of one. Saves finish in order (one commit thread), so the agreed count
         is a prefix of the saves.
 
+        A failure that a handle's ``wait()`` raised on every rank is not raised again; one that it raised
+        on some ranks only is raised again, on every rank (the all-reduce carries a flag per save since
+        the last agreement), so that the ranks never part ways (each would plan a different step next).
+
         Raises EarlierSaveFailedError naming every failed save's step (or path), oldest first, with the
         oldest one's error as ``__cause__``; a save whose ``on_error`` hook returns True is left out."""
         if self._agreed >= self._seq:  # the same on every rank: they all skip the collective, or none does
             return
         with self._lock:
             upto = min([h.seq for h in self._pending if not h.done()], default=self._seq)
+            pending = {h.seq: h for h in self._pending}
         if self.world_size > 1:
             import torch
             import torch.distributed as dist
 
             self.wait_planned()  # the caller's collective must not interleave with the save thread's
-            count = torch.tensor([upto], dtype=torch.int64)
-            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.comm.plan_group)
-            upto = int(count.item())
+            # with the count, for each save since the last agreement: was its failure raised here already
+            # (its handle's wait())? Raised on every rank, it is not raised again; raised on some ranks
+            # only, it is raised again on every rank, so that no rank goes on alone
+            seqs = range(self._agreed, self._seq)
+            said = [int(s in pending and pending[s].done() and pending[s].error_reported) for s in seqs]
+            agreed = torch.tensor([upto, *said], dtype=torch.int64)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.comm.plan_group)
+            upto = int(agreed[0].item())
+            for s, everywhere in zip(seqs, agreed[1:].tolist()):
+                if s < upto and s in pending and not everywhere:
+                    pending[s].error_reported = False
         self._agreed = upto
         self._report(upto)
 

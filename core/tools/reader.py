@@ -14,7 +14,8 @@ import torch
 
 from ..errors import IntegrityError, StateMismatchError
 from ..format.dtypes import str_to_dtype
-from ..format.metadata import ChunkMeta, CheckpointMetadata, TensorMeta, read_metadata
+from ..format.metadata import ChunkMeta, CheckpointMetadata, TensorMeta
+from ..loading.checks import read_committed
 from ..geometry import Box, ChunkIndex, FlatRange, row_major_strides
 from ..loading.reads import read_ranges, verify_ranges
 from ..state import codec
@@ -48,7 +49,7 @@ class CheckpointReader:
     def __init__(self, path: str, storage_options: dict | None = None, *, verify: bool = True):
         self.path = str(path)
         self.storage = open_storage(self.path, storage_options)
-        self.meta: CheckpointMetadata = read_metadata(self.storage, self.path)
+        self.meta: CheckpointMetadata = read_committed(self.storage, self.path)  # a root: names its newest step
         self.verify = verify
         self._last_chunk: tuple[Any, torch.Tensor | None] = (None, None)
 

@@ -162,8 +162,10 @@ def _rmtree_after_saves(path: Any, *args: Any, **kwargs: Any) -> Any:
     the project directory, or a ``tempfile.TemporaryDirectory`` around it) right afterwards removes
     the whole checkpoint. An asynchronous unickpt save still writes there; without waiting, the
     removal would race the writer (``Directory not empty``, or a folder brought back by the writer).
-    Paths that hold no save in flight are removed at once."""
-    if _tracked:
+    Paths that hold no save in flight are removed at once, and so are removals made by unickpt's own
+    threads (a failed save's commit thread removing what it wrote: waiting there for the save would
+    wait for itself)."""
+    if _tracked and not threading.current_thread().name.startswith("unickpt-"):
         _wait_for_saves_under(path)
     return _rmtree(path, *args, **kwargs)
 

@@ -90,3 +90,29 @@ def wait_on_one_rank(root: str) -> list:
     ckpt.save(3, _state(3))
     ckpt.close()
     return [s for s, ok in unickpt.list_checkpoints(root) if ok]
+
+
+def handle_wait_on_rank_0_only(root: str) -> dict:
+    """Step 1's writes fail on every rank; only rank 0 waits for its handle (to log it) and sees the
+    failure there. The next save must raise on every rank alike (rank 0 again), then saves go on: before,
+    rank 1 raised alone, and from then on the ranks planned different steps and never saved again."""
+    rank = dist.get_rank()
+    ckpt = unickpt.Checkpointer(root)
+    with inject(Fault("write", match="*step_1/data/*", nth=None, errno=errno.ENOSPC)):
+        handle = ckpt.save(1, _state(1))
+        first = _outcome(handle.wait) if rank == 0 else ["not waited"]
+        handle.outcome()  # the failure is over on this rank (not reported)
+    calls = [_outcome(lambda s=s: ckpt.save(s, _state(s))) for s in (2, 3, 4)]
+    calls.append(_outcome(ckpt.close))
+    return {"first": first, "calls": calls, "committed": [s for s, ok in unickpt.list_checkpoints(root) if ok]}
+
+
+def handle_wait_on_every_rank(root: str) -> dict:
+    """Every rank waited for the failed save's handle (it raised there): the next save does not raise it
+    again."""
+    ckpt = unickpt.Checkpointer(root)
+    with inject(Fault("write", match="*step_1/data/*", nth=None, errno=errno.ENOSPC)):
+        first = _outcome(ckpt.save(1, _state(1)).wait)
+    calls = [_outcome(lambda s=s: ckpt.save(s, _state(s))) for s in (2, 3)]
+    calls.append(_outcome(ckpt.close))
+    return {"first": first, "calls": calls, "committed": [s for s, ok in unickpt.list_checkpoints(root) if ok]}

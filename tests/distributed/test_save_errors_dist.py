@@ -43,3 +43,20 @@ def test_a_lagging_rank_raises_at_the_same_call(pool, tmp_path, lag_rank):
 
 def test_a_wait_on_one_rank_does_not_split_the_next_save(pool, tmp_path):
     assert pool(2).run(w.wait_on_one_rank, str(tmp_path / "run")) == [[1, 2, 3], [1, 2, 3]]
+
+
+def test_a_failure_raised_by_one_rank_s_handle_is_raised_again_on_every_rank(pool, tmp_path):
+    root = str(tmp_path / "run")
+    a, b = pool(2).run(w.handle_wait_on_rank_0_only, root)
+    assert a["first"][0] == "SaveFailedError" and b["first"] == ["not waited"]
+    assert a["calls"] == b["calls"], (a, b)
+    assert a["calls"][0][:3] == ["EarlierSaveFailedError", [1], "SaveFailedError"] and a["calls"][0][4]
+    assert a["calls"][1:] == [["ok"], ["ok"], ["ok"]]
+    assert a["committed"] == b["committed"] == [3, 4]
+
+
+def test_a_failure_raised_by_every_rank_s_handle_is_not_raised_again(pool, tmp_path):
+    a, b = pool(2).run(w.handle_wait_on_every_rank, str(tmp_path / "run"))
+    assert a["first"][0] == b["first"][0] == "SaveFailedError"
+    assert a["calls"] == b["calls"] == [["ok"], ["ok"], ["ok"]]
+    assert a["committed"] == b["committed"] == [2, 3]

@@ -80,3 +80,32 @@ def die_during_step_2(root: str, report: str) -> None:
         json.dump({"error": error, "record_failed": record and record.get("failed"),
                    "record_pid_is_mine": record and record.get("pid") == os.getpid(), "removed": removed,
                    "left": sorted(os.listdir(root))}, f)
+
+
+def short_index_write(root: str) -> dict:
+    """A DTensor split over both ranks (format v2: each rank writes ``index/<rank>.idx``); rank 1's index
+    file of step 2 is cut to half by a lying disk: the save fails on every rank before the commit, and
+    retention (keep_last=1) keeps step 1, which loads bitwise."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = lambda step: torch.arange(64 * 100, dtype=torch.float32).reshape(64, 100) * step  # noqa: E731
+    cut = Fault("write", match="*/step_2/index/*", action="truncate", keep=0.5, enabled=False)
+    uninstall = install(cut) if dist.get_rank() == 1 else (lambda: None)
+    try:
+        ck = unickpt.Checkpointer(root, keep_last=1, async_save=False)
+        ck.save(1, {"t": distribute_tensor(full(1), mesh, [Shard(0)])})
+        cut.enabled = True
+        try:
+            ck.save(2, {"t": distribute_tensor(full(2), mesh, [Shard(0)])})
+            error = None
+        except unickpt.SaveFailedError as e:
+            error = str(e)
+        cut.enabled = False
+        back = distribute_tensor(torch.zeros(64, 100), mesh, [Shard(0)])
+        step = ck.load({"t": back})
+        ck.close()
+    finally:
+        uninstall()
+    return {"fired": cut.fired, "error": error, "step": step, "equal": torch.equal(back.full_tensor(), full(1))}

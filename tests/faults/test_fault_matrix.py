@@ -21,6 +21,7 @@ writes, renames, markers and removals fail with EROFS).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
@@ -29,7 +30,7 @@ import pytest
 import torch
 
 import unickpt
-from unickpt.testing import Fault, inject
+from unickpt.testing import Fault, install
 
 N = 1 << 14  # elements of the test tensor (64 KiB)
 SLOW_S = 0.3
@@ -74,6 +75,20 @@ def faults(name: str, where: str) -> list[Fault]:
 
 FAULTS = ["disk_full", "short_write", "eio_rename", "failing_listing", "slow", "read_only"]
 FAILS = {"disk_full", "short_write", "eio_rename", "read_only"}  # the save of step 2 must fail
+CAUSES = {"disk_full": "No space left on device", "short_write": "short write", "eio_rename": "Input/output error",
+          "read_only": "Read-only file system"}  # in the error's message
+
+
+@contextlib.contextmanager
+def armed_during(armed: list[Fault]):
+    for f in armed:
+        f.enabled = True
+    try:
+        yield
+    finally:
+        for f in armed:
+            f.enabled = False
+            f.release()
 
 
 def files_under(path: str) -> list[str]:
@@ -90,12 +105,12 @@ class Mode:
     state, ``leftovers()`` what storage holds beyond the committed checkpoints."""
 
     asynchronous = True
+    lists_to_load = False  # load() finds the newest step by listing storage
     failed: tuple = ()  # steps whose save failed
     recovery: tuple = (3,)  # the saves after the fault, the last one persistent
 
     def __init__(self, tmp_path):
         self.base = str(tmp_path / "ckpt")
-        self.match = self.base  # the faults apply to paths under it
 
     def close(self) -> None:
         pass
@@ -108,6 +123,9 @@ class SyncSave(Mode):
 
     def path(self, step):
         return os.path.join(self.base, f"s{step}")
+
+    def name_of(self, step):
+        return repr(self.path(step))
 
     def save(self, step):
         unickpt.save(self.path(step), make_state(step))
@@ -141,6 +159,10 @@ class AsyncSave(SyncSave):
 
 class CheckpointerMode(Mode):
     options: dict = {}
+    lists_to_load = True
+
+    def name_of(self, step):
+        return f"step {step} ('{self.base}/step_{step}')"
 
     def __init__(self, tmp_path):
         super().__init__(tmp_path)
@@ -200,12 +222,14 @@ class LightningMode(Mode):
         from unickpt.lightning import io as io_module
 
         monkeypatch.setattr(io_module, "trainer_running", lambda: True, raising=False)
-        self.match = "*"  # the pack is staged in memory://, then written to its path
         self.io = UnickptCheckpointIO()
         os.makedirs(self.base, exist_ok=True)
 
     def path(self, step):
         return os.path.join(self.base, f"epoch=0-step={step}.ckpt")
+
+    def name_of(self, step):
+        return self.path(step)
 
     def save(self, step):
         sd = make_state(step)
@@ -257,6 +281,9 @@ class AccelerateMode(Mode):
     def path(self, step):
         return os.path.join(self.base, f"checkpoint_{step}")
 
+    def name_of(self, step):
+        return self.path(step)
+
     def save(self, step):
         with torch.no_grad():
             self.model.weight.copy_(value(step).view(64, N // 64))
@@ -301,6 +328,12 @@ def make_mode(name, tmp_path, monkeypatch) -> Mode:
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize("mode_name", MODES)
 def test_fault_matrix(tmp_path, monkeypatch, mode_name, fault):
+    # installed before the mode opens its storage (a Checkpointer opens its root when it is made),
+    # armed only for step 2's save
+    armed = faults(fault, "*" if mode_name == "lightning" else str(tmp_path / "ckpt"))
+    for f in armed:
+        f.enabled = False
+    uninstall = install(*armed)
     mode = make_mode(mode_name, tmp_path, monkeypatch)
     try:
         mode.save(1)
@@ -309,10 +342,9 @@ def test_fault_matrix(tmp_path, monkeypatch, mode_name, fault):
             mode.committed = 1
         check(mode.load(), 1)
 
-        armed = faults(fault, mode.match)
         if fault in FAILS:
             mode.failed = (2,)
-        with inject(*armed):
+        with armed_during(armed):
             t0 = time.perf_counter()
             if fault in FAILS:  # raised by the save call itself (sync) or by the documented later call
                 with pytest.raises(unickpt.SaveFailedError) as err:
@@ -326,21 +358,22 @@ def test_fault_matrix(tmp_path, monkeypatch, mode_name, fault):
                     assert returned < SLOW_S, f"an async save call waited for slow storage ({returned:.2f} s)"
                 mode.settle()
             assert any(f.fired for f in armed) or fault == "failing_listing", "the fault never fired"
-            if fault in FAILS:
+            if fault in FAILS:  # names the failed step (or its path) and the cause
                 msg = str(err.value)
-                assert "2" in msg, msg  # names the step (or the path s2 / step=2)
-                assert isinstance(err.value.__cause__ or err.value, Exception)
+                assert mode.name_of(2) in msg, msg
+                assert CAUSES[fault] in msg, msg
             newest = 1 if fault in FAILS and not isinstance(mode, TiersMode) else 2  # tiers: step 2 in memory
             if fault == "failing_listing":
-                # a listing that fails is an error or is not needed: never "no checkpoint"
+                # a load that needs a listing (the newest step of a root) fails with a StorageError
+                # naming it, never "no checkpoint"; one that needs none (a given path) loads
+                listing = armed[0].seen
                 try:
                     got = mode.load()
-                except (OSError, unickpt.errors.UnickptError) as e:
-                    assert "list" in str(e).lower() or "EIO" in str(e) or "Input/output" in str(e), e
+                except unickpt.StorageError as e:
+                    assert armed[0].seen > listing and "cannot list" in str(e) and "Input/output error" in str(e), e
                 else:
                     check(got, newest)
-            elif fault != "read_only":  # reads of a read-only storage work as before
-                check(mode.load(), newest)
+                    assert not mode.lists_to_load, "the load listed nothing, yet it found the newest step"
             else:
                 check(mode.load(), newest)
 
@@ -353,4 +386,7 @@ def test_fault_matrix(tmp_path, monkeypatch, mode_name, fault):
         check(mode.load(), mode.recovery[-1])
         assert mode.leftovers() == [], mode.leftovers()
     finally:
-        mode.close()
+        try:
+            mode.close()
+        finally:
+            uninstall()

@@ -136,11 +136,18 @@ def test_read_only_destination_fails_clearly(small_fs):
 
 
 TWO_WRITERS = """
-import sys, time, torch, unickpt
+import os, sys, threading, time, torch, unickpt
 from unickpt.testing import Fault, install
 root, step, hold = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-# a long write: the directory stays incomplete meanwhile
-install(Fault("write", nth=None, action="slow", delay_s=hold))
+# a long write: the directory stays incomplete until the test creates root + '.release' (or hold s)
+if hold > 0:
+    gate = Fault("write", nth=None, action="hold", delay_s=hold)
+    install(gate)
+    def release():
+        while not os.path.exists(root + ".release"):
+            time.sleep(0.05)
+        gate.release()
+    threading.Thread(target=release, daemon=True).start()
 ckpt = unickpt.Checkpointer(root)
 try:
     ckpt.save(step, {"w": torch.full((1000,), float(step))}).wait()
@@ -154,7 +161,7 @@ def test_two_checkpointers_on_one_root(tmp_path):
     """Two processes save into one root: a slow save of step 1 is never deleted by the other's
     retention (its writer is alive), and a second writer of the same step is refused."""
     root = tmp_path / "run"
-    slow = subprocess.Popen([sys.executable, "-c", TWO_WRITERS, str(root), "1", "6"], env=ENV,
+    slow = subprocess.Popen([sys.executable, "-c", TWO_WRITERS, str(root), "1", "120"], env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while not (root / "step_1" / ".unickpt-writer").exists() and time.time() < deadline:
@@ -165,6 +172,7 @@ def test_two_checkpointers_on_one_root(tmp_path):
     other = subprocess.run([sys.executable, "-c", TWO_WRITERS, str(root), "2", "0"], env=ENV, capture_output=True,
                            text=True, timeout=120)
     assert "committed 2" in other.stdout, other.stderr[-2000:]
+    open(str(root) + ".release", "w").close()  # the slow save of step 1 may go on
     out, err = slow.communicate(timeout=120)
     assert "committed 1" in out, err[-2000:]
     assert [s for s, ok in unickpt.list_checkpoints(str(root)) if ok] == [1, 2]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 
 import pytest
 import torch
@@ -63,3 +64,15 @@ def test_a_writer_dying_at_commit_leaves_a_failed_directory_that_prune_removes(t
     assert got["error"].startswith("SaveFailedError:") and "lost contact with rank 1" in got["error"], got["error"]
     assert got["record_failed"] is True and got["record_pid_is_mine"] is True
     assert got["removed"] == [[2, "incomplete (failed save)"]] and got["left"] == ["latest", "step_1"]
+
+
+def test_a_short_write_of_an_index_file_fails_the_save_on_every_rank(pool, tmp_path):
+    root = str(tmp_path / "run")
+    results = pool(2).run(w.short_index_write, root)
+    assert [r["fired"] for r in results] == [0, 1]
+    for r in results:
+        assert r["error"] is not None and re.search(
+            rf"{re.escape(root)}/step_2/index/1\.idx: (\d+) bytes were written, the file holds \d+ \(a short write\)",
+            r["error"]), r["error"]
+        assert r["step"] == 1 and r["equal"]
+    assert sorted(os.listdir(root)) == ["latest", "step_1"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -208,6 +209,34 @@ def test_a_short_write_fails_the_save_before_the_commit(tmp_path):
     assert got["step"] == 1 and torch.equal(got["w"], value(1))
 
 
+def test_a_short_write_of_the_per_rank_object_file_fails_the_save_and_keeps_the_last(tmp_path):
+    """objects/rank_<r>.json (RNGState, PerRank) is checked as the data files are: a lying disk that kept
+    half of it fails the save, so retention (keep_last=1) never trades the last good step for it."""
+    root = tmp_path / "run"
+    per_rank = lambda v: {**state(v), "d": unickpt.PerRank({"v": v})}  # noqa: E731
+    ck = unickpt.Checkpointer(root, keep_last=1, async_save=False)
+    ck.save(1, per_rank(1))
+    with inject(Fault("write", match="*/step_2/objects/*", action="truncate", keep=0.5)) as (f,):
+        with pytest.raises(SaveFailedError) as err:
+            ck.save(2, per_rank(2))
+    assert f.fired == 1
+    assert re.search(rf"{re.escape(str(root / 'step_2' / 'objects' / 'rank_0.json'))}: (\d+) bytes were written, "
+                     r"the file holds \d+ \(a short write\)", str(err.value)), str(err.value)
+    assert (root / "latest").read_text() == "step_1" and not (root / "step_2").exists()
+    out = {**state(0), "d": unickpt.PerRank({"v": None})}
+    out["w"], out["step"] = torch.zeros(N), -1
+    assert ck.load(out) == 1 and out["d"].value == {"v": 1} and torch.equal(out["w"], value(1))
+
+
+def test_a_truncated_per_rank_object_file_is_an_integrity_error(tmp_path):
+    unickpt.save(tmp_path / "c", {**state(3), "d": unickpt.PerRank({"v": 3})})
+    objects = tmp_path / "c" / "objects" / "rank_0.json"
+    os.truncate(objects, 6)
+    with pytest.raises(IntegrityError, match=r"the per-rank state file 'objects/rank_0.json' of rank 0 is damaged "
+                       r"or truncated \(6 bytes\)"):
+        unickpt.load(tmp_path / "c", {"w": torch.zeros(N), "step": -1, "d": unickpt.PerRank({"v": None})})
+
+
 @pytest.mark.parametrize("verify", [True, False])
 def test_a_truncated_data_file_is_refused_on_load(tmp_path, verify):
     unickpt.save(tmp_path / "c", state(3))
@@ -239,3 +268,34 @@ def test_a_failed_two_tier_save_leaves_no_copy_in_either_tier(tmp_path):
     got = loaded(ck.load)
     assert got["step"] == 3 and torch.equal(got["w"], value(3))
     fs.rm("/unickpt-leftovers", recursive=True)
+
+
+def test_a_failed_writer_record_leaves_no_directory(tmp_path):
+    """The writer record is the save's first write: when it fails the directory just made is nobody's
+    (prune would keep it as a save that may be in flight): it is removed at once."""
+    root = tmp_path / "run"
+    ck = unickpt.Checkpointer(root, async_save=False)
+    ck.save(1, state(1))
+    with inject(Fault("marker", match="*/step_2/*", errno=errno.EIO)) as (f,):
+        with pytest.raises(SaveFailedError, match=r"Input/output error \(injected: marker of .*step_2/\.unickpt-writer\)"):
+            ck.save(2, state(2))
+    assert f.fired == 1 and sorted(os.listdir(root)) == ["latest", "step_1"]
+    ck.save(2, state(2))
+    assert [s for s, ok in unickpt.list_checkpoints(str(root)) if ok] == [1, 2]
+
+
+def test_an_error_reported_after_the_commit_took_effect_is_no_failure(tmp_path, caplog):
+    """The replace of metadata.json took effect, then the storage reported EIO: a load and a listing see
+    the checkpoint, so the save is committed (a warning), never a SaveFailedError beside a loadable step."""
+    import logging
+
+    root = tmp_path / "run"
+    ck = unickpt.Checkpointer(root, async_save=False)
+    ck.save(1, state(1))
+    with inject(Fault("rename", match="*/step_2/metadata.json", errno=errno.EIO, after=True)) as (f,):
+        with caplog.at_level(logging.WARNING, logger="unickpt"):
+            ck.save(2, state(2))
+    assert f.fired == 1 and (root / "latest").read_text() == "step_2"
+    assert "reported an error writing" in caplog.text and "the save is committed" in caplog.text
+    got = loaded(ck.load)
+    assert got["step"] == 2 and torch.equal(got["w"], value(2))

@@ -97,6 +97,7 @@ def _root_with_steps(tmp_path) -> str:
 
 
 def test_load_verify_and_export_of_a_checkpoint_root_name_its_newest_step(tmp_path):
+    from unickpt.tools.diff import diff_checkpoints
     from unickpt.tools.export import export_checkpoint
     from unickpt.tools.verify import verify_checkpoint
 
@@ -105,7 +106,8 @@ def test_load_verify_and_export_of_a_checkpoint_root_name_its_newest_step(tmp_pa
             f"pass a step_<N> directory (`unickpt ls {root}` lists them), or load the newest with "
             f"unickpt.Checkpointer('{root}').load(state)")
     for call in (lambda: unickpt.load(root, {"w": torch.zeros(3)}), lambda: verify_checkpoint(root),
-                 lambda: export_checkpoint(root, str(tmp_path / "out"))):
+                 lambda: export_checkpoint(root, str(tmp_path / "out")),
+                 lambda: diff_checkpoints(root, os.path.join(root, "step_2"))):
         with pytest.raises(unickpt.CheckpointNotFoundError) as e:
             call()
         assert str(e.value) == want
@@ -303,3 +305,23 @@ def test_a_dead_peer_is_named_not_the_survivor(tmp_path, op):
     assert "--- rank 0 ---" not in text
     if op == "save":
         assert not os.path.exists(os.path.join(path, "metadata.json"))
+
+
+def test_a_load_refused_for_a_truncated_file_leaves_the_target_unchanged(tmp_path):
+    """The tail of the only data file is cut: the load fails before any byte lands, also those of the
+    tensors stored before the cut (the model's), which were read and copied first before."""
+    model = torch.nn.Linear(64, 64)
+    path = tmp_path / "c"
+    unickpt.save(path, {"m": model, "x": torch.randn(300_000)})
+    data = path / "data" / "0_0.bin"
+    size = data.stat().st_size
+    os.truncate(data, size - 100)
+    target = torch.nn.Linear(64, 64)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    x = torch.zeros(300_000)
+    with pytest.raises(unickpt.IntegrityError) as err:
+        unickpt.load(path, {"m": target, "x": x})
+    assert f"truncated checkpoint file: {data}: the file holds {size - 100} bytes, the checkpoint needs {size} " \
+           "(the file is truncated)" in str(err.value)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    assert not x.any()

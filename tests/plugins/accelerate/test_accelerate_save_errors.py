@@ -56,3 +56,44 @@ def test_on_error_warn(tmp_path, accelerator_factory):  # noqa: F811
     with pytest.raises(ValueError, match=r"got 'ignore' \(from UNICKPT_ACCELERATE_ON_ERROR\)"):
         unickpt.accelerate.options_from_env({"UNICKPT_ACCELERATE_ON_ERROR": "ignore"})
     assert unickpt.accelerate.options_from_env({"UNICKPT_ACCELERATE_ON_ERROR": "warn"}).on_error == "warn"
+
+
+GAP_THEN_NEXT_CALL = r"""
+import os, sys, time, torch
+from accelerate import Accelerator
+import unickpt, unickpt.accelerate
+from unickpt.testing import Fault, install
+work, call = sys.argv[1], sys.argv[2]
+fault = Fault("write", nth=None, enabled=False)
+install(fault)
+acc = Accelerator(cpu=True)
+unickpt.accelerate.enable(acc)
+m, o = acc.prepare(torch.nn.Linear(4, 1), torch.optim.AdamW(torch.nn.Linear(4, 1).parameters()))
+acc.save_state(os.path.join(work, "good"))
+unickpt.accelerate.wait()
+fault.enabled = True
+acc.save_state(os.path.join(work, "bad"))
+deadline = time.monotonic() + 60  # a training step's gap: the save fails in the background meanwhile
+while os.path.exists(os.path.join(work, "bad", "unickpt", "step_0")) and time.monotonic() < deadline:
+    time.sleep(0.05)
+fault.enabled = False
+print("failed save removed:", not os.path.exists(os.path.join(work, "bad", "unickpt", "step_0")), flush=True)
+try:
+    (acc.load_state if call == "load" else acc.save_state)(os.path.join(work, "good" if call == "load" else "next"))
+except unickpt.EarlierSaveFailedError as e:
+    print("raised", e.steps, flush=True)
+"""
+
+
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_a_save_failing_in_the_background_is_removed_and_raised_without_a_hang(tmp_path, call):
+    """The failed save's commit thread removes its directory through ``shutil.rmtree``, which the plugin
+    makes wait for saves in flight under the path: it must not wait for the save it is finishing (it
+    did: the process hung at the next ``save_state`` / ``load_state``)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", GAP_THEN_NEXT_CALL, str(tmp_path), call], capture_output=True,
+                         text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["failed save removed: True", "raised [0]"], out.stdout + out.stderr[-3000:]
