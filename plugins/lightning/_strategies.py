@@ -320,24 +320,46 @@ def save_sharded(io: Any, strategy: Any, checkpoint: dict, filepath: Any, storag
     engine = ext.engine()
     step = _global_step(checkpoint)
     state[TREE_KEY] = tree
-    target = None
+    target, created = None, False
     if engine.rank == 0:  # P is a directory when the save returns, as with Lightning's own (its version counter asks)
+        created = not storage.exists(path)
         storage.makedirs(_layout.data_root(storage, path))
         version = io._version_for(storage, path)
         target = (version, _layout.version_dir(storage, path, version))
     version, vdir = engine.broadcast(target)
     pointer = Pointer(_layout.relative(path, vdir), route="sharded", global_step=step)
-    handle = engine.save(vdir, state, async_save=io.async_save, storage_options=options, step=step,
-                         framework=FRAMEWORK, extra={"lightning_route": "sharded", "tensors_from": None},
-                         on_commit=io._sharded_publisher(path, version, pointer, options), allow_pickle=io._save_pickle(),
-                         on_error=io._on_engine_error)
+    try:
+        handle = engine.save(vdir, state, async_save=io.async_save, storage_options=options, step=step,
+                             framework=FRAMEWORK, extra={"lightning_route": "sharded", "tensors_from": None},
+                             on_commit=io._sharded_publisher(path, version, pointer, options),
+                             allow_pickle=io._save_pickle(), on_error=io._on_engine_error)
+    except BaseException:  # refused (an earlier save's failure) or failed at the call: no P of ours stays
+        if created:
+            _drop_if_empty(storage, path)
+        raise
     from .io import _register, _unregister
 
+    def done(f: Any) -> None:
+        _unregister(path, handle)
+        if created and f.exception() is not None:  # the failed version is gone (the engine removed it)
+            _drop_if_empty(storage, path)
+
     _register(path, handle)
-    handle._future.add_done_callback(lambda f: _unregister(path, handle))
+    handle._future.add_done_callback(done)
     io._track(path, handle)
     if not io.async_save:
         io._wait(path)
+
+
+def _drop_if_empty(storage: Any, path: str) -> None:
+    """Global rank 0, after the first save of ``P`` failed: remove the directory ``P`` it made, if it
+    holds nothing (the failed version was removed), so that a listing shows no checkpoint that does
+    not exist. A ``P`` holding anything is left alone."""
+    try:
+        if storage.isdir(path) and not storage.listdir(path):
+            storage.rm(path)
+    except OSError:  # best effort: an empty directory, no data
+        log.warning("unickpt: could not remove the empty checkpoint directory %s of a failed save", path, exc_info=True)
 
 
 def load_sharded(io: Any, strategy: Any, checkpoint_path: Any, weights_only: bool | None = None,

@@ -118,3 +118,23 @@ def test_a_failure_the_engine_finds_is_named_by_its_checkpoint_path(tmp_path, in
     assert os.listdir(tmp_path) == []
     io.wait()
     io.teardown()
+
+
+@pytest.mark.parametrize("on_error", ["raise", "warn"])
+def test_a_failed_sharded_save_leaves_no_empty_checkpoint_directory(tmp_path, on_error):
+    """Sharded route (ModelParallelStrategy, 2 processes), step 2's save fails on rank 1: the folder lists
+    only checkpoints that exist (before, the failed step's ``P/`` and, raising, the refused next step's
+    ``P/`` stayed as empty directories, and loading them failed)."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_sharded_failure.py")
+    out = subprocess.run([sys.executable, script, str(tmp_path / "ckpt"), on_error], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank "))
+    if on_error == "raise":
+        want = [f"rank {r}: EarlierSaveFailedError ['epoch=0-step=1.ckpt']" for r in (0, 1)]
+    else:
+        want = [f"rank {r}: finished ['epoch=0-step=1.ckpt', 'epoch=0-step=3.ckpt', 'epoch=0-step=4.ckpt']"
+                for r in (0, 1)]
+    assert lines == want, out.stdout + out.stderr[-3000:]
