@@ -14,7 +14,7 @@ import warnings
 from typing import Any, Callable
 
 from .engine import SaveHandle, get_engine
-from .errors import EarlierSaveFailedError, StorageError
+from .errors import EarlierSaveFailedError, SaveFailedError, StorageError
 from .lifecycle.directory import is_committed
 from .lifecycle.root import CheckpointRoot, list_checkpoints
 from .loading.stats import LoadStats
@@ -66,7 +66,9 @@ class Checkpointer:
             step(s), on every rank, once (that ``save`` then saves nothing). ``"warn"``: the same call
             warns instead (a ``RuntimeWarning`` per failed save, on every rank) and training goes on.
             Either way :attr:`failed_saves` counts the failures reported and :attr:`last_error` holds
-            the latest; later saves run as usual. A synchronous save raises its own failure at the call.
+            the latest; later saves run as usual. A save that fails at its own call (a synchronous
+            save, or one refused while planning) raises its ``SaveFailedError`` there, or with
+            ``"warn"`` warns, counts it and returns None.
 
     Attributes:
         failed_saves: how many of this checkpointer's persistent saves failed (reported so far).
@@ -193,16 +195,28 @@ class Checkpointer:
         """A persistent save of ``step`` (the path of a checkpointer without tiers)."""
         on_commit = lambda s=int(step): self._after_commit(s)  # noqa: E731
         mode = self.async_save if async_save is None else async_save
-        if self._local is None:
-            return self._engine.save(self.path_for(step), state, async_save=mode, storage_options=self.storage_options,
-                                     step=int(step), on_commit=on_commit, allow_pickle=self.allow_pickle,
-                                     options=self.save_options, framework=self.framework, on_error=self._failed)
-        # the upload target is this save's option, not the engine's
-        options = (self.save_options or self._engine.options).with_(upload_to=self.root,
-                                                                    upload_options=self.storage_options)
-        return self._engine.save(self._local.path(int(step)), state, async_save=mode, step=int(step),
-                                 on_commit=on_commit, allow_pickle=self.allow_pickle, options=options,
-                                 framework=self.framework, on_error=self._failed)
+        try:
+            if self._local is None:
+                return self._engine.save(self.path_for(step), state, async_save=mode,
+                                         storage_options=self.storage_options, step=int(step), on_commit=on_commit,
+                                         allow_pickle=self.allow_pickle, options=self.save_options,
+                                         framework=self.framework, on_error=self._failed)
+            # the upload target is this save's option, not the engine's
+            options = (self.save_options or self._engine.options).with_(upload_to=self.root,
+                                                                        upload_options=self.storage_options)
+            return self._engine.save(self._local.path(int(step)), state, async_save=mode, step=int(step),
+                                     on_commit=on_commit, allow_pickle=self.allow_pickle, options=options,
+                                     framework=self.framework, on_error=self._failed)
+        except SaveFailedError as e:  # this save's own failure, raised at its call (on every rank alike)
+            if isinstance(e, EarlierSaveFailedError):
+                raise
+            self.failed_saves += 1
+            self.last_error = e
+            if self.on_error != "warn":
+                raise
+            warnings.warn(f"unickpt: the save of step {step} ({e.path!r}) failed ({_last_line(e)}); "
+                          "on_error='warn': training goes on", RuntimeWarning, stacklevel=3)
+            return None
 
     def _failed(self, error: BaseException) -> bool:
         """The engine found one of this checkpointer's saves failed (caller's thread, at a later
@@ -210,9 +224,8 @@ class Checkpointer:
         self.failed_saves += 1
         self.last_error = error
         if self.on_error == "warn":
-            lines = [line.strip() for line in str(error.__cause__ or error).splitlines() if line.strip()]
-            cause = lines[-1] if lines else type(error.__cause__).__name__  # the failing rank's exception
-            warnings.warn(f"unickpt: the asynchronous save of step {error.steps[0]} ({error.path!r}) failed ({cause}); "
+            warnings.warn(f"unickpt: the asynchronous save of step {error.steps[0]} ({error.path!r}) failed "
+                          f"({_last_line(error.__cause__ or error)}); "
                           "on_error='warn': training goes on", RuntimeWarning, stacklevel=2)
             return True
         return False
@@ -328,3 +341,9 @@ def _from_rank0(engine: Any, fn: Callable[[], Any], path: str) -> Any:
     if got[0] == "error":
         raise got[1]
     return got[1]
+
+
+def _last_line(error: BaseException) -> str:
+    """The last non-empty line of ``error``'s text (a failing rank's exception), for a one-line warning."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__

@@ -123,19 +123,6 @@ def test_on_error_warn_warns_counts_and_goes_on(tmp_path):
         Checkpointer(root, on_error="ignore")
 
 
-def test_a_synchronous_save_raises_its_own_failure_once(tmp_path):
-    root = tmp_path / "run"
-    ckpt = Checkpointer(root, async_save=False, on_error="warn")
-    with inject(_enospc(1)):
-        with pytest.raises(unickpt.SaveFailedError, match="No space left on device") as info:
-            ckpt.save(1, _state(1))
-    assert not isinstance(info.value, unickpt.EarlierSaveFailedError)
-    ckpt.save(2, _state(2))  # no warning, no error: already raised
-    ckpt.close()
-    assert ckpt.failed_saves == 0
-    _loads_bitwise(Checkpointer(root), 2)
-
-
 def test_a_synchronous_save_reports_an_earlier_failure_found_after_its_commit(tmp_path):
     root = tmp_path / "run"
     ckpt = Checkpointer(root)
@@ -208,3 +195,25 @@ def test_a_preemption_save_runs_despite_an_earlier_failure(tmp_path):
         _loads_bitwise(Checkpointer(root), 3)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.parametrize("on_error", ["raise", "warn"])
+def test_a_save_failing_at_its_own_call_is_counted_and_warned_in_warn_mode(tmp_path, on_error):
+    """A synchronous save's own failure is raised at the call (default) or, with on_error="warn", a
+    RuntimeWarning and None; counted either way, and not reported again by the next call."""
+    ckpt = Checkpointer(tmp_path / "run", async_save=False, on_error=on_error)
+    ckpt.save(1, _state(1))
+    with inject(_enospc(2)):
+        if on_error == "raise":
+            with pytest.raises(unickpt.SaveFailedError, match="No space left on device") as info:
+                ckpt.save(2, _state(2))
+            assert not isinstance(info.value, unickpt.EarlierSaveFailedError)
+        else:
+            with pytest.warns(RuntimeWarning, match=r"^unickpt: the save of step 2 \('.*/run/step_2'\) failed "
+                              r"\(.*No space left on device.*\); on_error='warn': training goes on") as rec:
+                assert ckpt.save(2, _state(2)) is None
+            assert len(rec) == 1
+    assert ckpt.failed_saves == 1 and isinstance(ckpt.last_error, unickpt.SaveFailedError)
+    ckpt.save(3, _state(3))  # nothing raised or warned again
+    ckpt.close()
+    _loads_bitwise(Checkpointer(tmp_path / "run"), 3)
