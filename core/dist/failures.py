@@ -18,12 +18,13 @@ import traceback
 from typing import Any
 
 from ..errors import (CheckpointNotFoundError, FormatVersionError, IntegrityError, LoadFailedError,
-                      PerRankReshardError, RankFailuresError, StateMismatchError, UnsafeObjectError)
+                      PerRankReshardError, RankFailuresError, StateMismatchError, StorageError, UnsafeObjectError)
 
 __all__ = ["describe", "raise_failures", "agree", "lost_contact"]
 
 _SAME_TYPE_ERRORS = {cls.__name__: cls for cls in (StateMismatchError, IntegrityError, CheckpointNotFoundError,
-                                                     FormatVersionError, PerRankReshardError, UnsafeObjectError)}
+                                                     FormatVersionError, PerRankReshardError, UnsafeObjectError,
+                                                     StorageError)}
 # bad arguments of the call (options), tagged by the caller: raised with the built-in type on every rank
 _ARGUMENT_ERRORS = {"options:ValueError": ValueError, "options:TypeError": TypeError}
 

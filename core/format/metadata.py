@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .._util import gc_paused
-from ..errors import CheckpointNotFoundError, FormatVersionError, IntegrityError
+from ..errors import CheckpointNotFoundError, FormatVersionError, IntegrityError, StorageError
 from ..geometry import Box, ChunkSpec, EvenSplit, check_exact_cover, spec_from_json, spec_to_json
 from .dtypes import str_to_dtype
 from .index import IndexReader
@@ -314,7 +314,8 @@ def spec_order(spec: ChunkSpec) -> tuple:
 def read_metadata(storage: Any, path: str) -> CheckpointMetadata:
     """Read ``<path>/metadata.json`` (version 1 or 2; split tensors list their chunks by reading the
     index files on demand, :meth:`CheckpointMetadata.attach`). Raises CheckpointNotFoundError when it
-    is absent (uncommitted), FormatVersionError, IntegrityError (malformed)."""
+    is absent (uncommitted), FormatVersionError, IntegrityError (malformed), NotADirectoryError (a
+    file), StorageError when the read fails otherwise (I/O error, permission): never "not committed"."""
     meta_path = storage.join(path, METADATA_FILE)
     try:
         text = storage.read_bytes(meta_path)
@@ -323,4 +324,8 @@ def read_metadata(storage: Any, path: str) -> CheckpointMetadata:
             f"no committed checkpoint at {path!r}: {METADATA_FILE} is missing "
             "(the save never finished, or the path is wrong)"
         ) from None
+    except (NotADirectoryError, IsADirectoryError, StorageError):
+        raise
+    except OSError as e:
+        raise StorageError(f"cannot read {meta_path!r}: {e}", meta_path, e) from e
     return CheckpointMetadata.from_json(text, source=meta_path).attach(storage, path)

@@ -109,3 +109,20 @@ def short_index_write(root: str) -> dict:
     finally:
         uninstall()
     return {"fired": cut.fired, "error": error, "step": step, "equal": torch.equal(back.full_tensor(), full(1))}
+
+
+def load_with_rank1_metadata_read_failing(root: str) -> list:
+    """Rank 1's reads of metadata.json fail with EIO: every rank raises a StorageError naming the file
+    (the failing rank its own, the others the same type naming rank 1), and nothing is loaded."""
+    fault = Fault("read", match="*metadata.json", nth=None, errno=errno.EIO)
+    uninstall = install(fault) if dist.get_rank() == 1 else (lambda: None)
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {"w": unickpt.Shard(torch.zeros(N), (n * N,), offsets=(r * N,)), "step": -1}
+    try:
+        unickpt.load(f"{root}/step_1", out)
+        error = None
+    except Exception as e:  # noqa: BLE001 - compared by the test
+        error = (type(e).__name__, str(e))
+    finally:
+        uninstall()
+    return [error, out["step"], bool(out["w"].tensor.any())]

@@ -76,3 +76,13 @@ def test_a_short_write_of_an_index_file_fails_the_save_on_every_rank(pool, tmp_p
             r["error"]), r["error"]
         assert r["step"] == 1 and r["equal"]
     assert sorted(os.listdir(root)) == ["latest", "step_1"]
+
+
+def test_a_metadata_read_failing_on_one_rank_is_the_same_storage_error_on_every_rank(pool, tmp_path):
+    root = str(tmp_path / "run")
+    pool(2).run(w.save_steps, root, [1])
+    a, b = pool(2).run(w.load_with_rank1_metadata_read_failing, root)
+    why = (f"cannot read '{root}/step_1/metadata.json': [Errno 5] Input/output error (injected: read of "
+           f"{root}/step_1/metadata.json)")
+    assert b == [("StorageError", why), -1, False]
+    assert a == [("StorageError", f"rank 1: {why}"), -1, False]
