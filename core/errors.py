@@ -99,6 +99,9 @@ class RankFailuresError(UnickptError, RuntimeError):
             lines.append(f"--- rank {rank} ---\n{failures[rank].rstrip()}")
         super().__init__("\n".join(lines))
 
+    def __reduce__(self):  # picklable (DCP gathers a rank's exception to the coordinator by pickling it)
+        return (type(self), (self.path, self.failures))
+
 
 class SaveFailedError(RankFailuresError):
     """A save failed on one or more ranks; nothing was committed (see :class:`RankFailuresError`).
@@ -114,6 +117,9 @@ class SaveFailedError(RankFailuresError):
             self.headline = ("save to {path!r} failed on rank(s) {ranks}; whether it committed is unknown "
                              "(look for its metadata.json)")
         super().__init__(path, failures)
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.failures, self.committed))
 
 
 class EarlierSaveFailedError(SaveFailedError):
@@ -147,6 +153,9 @@ class EarlierSaveFailedError(SaveFailedError):
         lines = [f"{len(errors)} earlier asynchronous save(s) failed: {names}"]
         lines += [f"--- {_save_name(step, path)}: {type(e).__name__}: {e}" for step, path, e in errors]
         UnickptError.__init__(self, "\n".join(lines))
+
+    def __reduce__(self):
+        return (type(self), (self.errors,))
 
 
 def _save_name(step: int | None, path: str) -> str:

@@ -199,3 +199,23 @@ def test_codec_errors_name_the_nested_key_path():
     enc = codec.encode({3: [_Custom(3)]})  # a non-string key: stored as __dict__ pairs
     with pytest.raises(UnsafeObjectError, match=r"^'cfg\.3\.0': stored object"):
         codec.decode(enc, key="cfg")
+
+
+def test_rank_failure_errors_survive_pickling():
+    """DCP (and any framework gathering exceptions across ranks) pickles them: each unickpt error comes
+    back with its type, message and attributes (SaveFailedError did not unpickle: TypeError)."""
+    import pickle
+
+    from unickpt.errors import EarlierSaveFailedError, LoadFailedError, SaveFailedError, StorageError
+
+    save = SaveFailedError("/ckpt/step_2", {1: "OSError: [Errno 5] Input/output error"})
+    unknown = SaveFailedError("/ckpt/step_3", {0: "lost contact"}, committed=None)
+    earlier = EarlierSaveFailedError([(2, "/ckpt/step_2", save)])
+    for e in (save, unknown, earlier, LoadFailedError("/ckpt/step_2", {0: "x", 1: "y"}),
+              StorageError("cannot list '/ckpt'", "/ckpt", OSError(5, "Input/output error"))):
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and str(back) == str(e)
+        assert getattr(back, "failures", None) == getattr(e, "failures", None)
+        assert getattr(back, "path", None) == getattr(e, "path", None)
+    assert pickle.loads(pickle.dumps(unknown)).committed is None
+    assert pickle.loads(pickle.dumps(earlier)).steps == [2]

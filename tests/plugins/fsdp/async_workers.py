@@ -136,3 +136,40 @@ def process_executor_run(path: str, wait_s: float) -> dict:
         return {"at_call": f"{type(e).__name__}: {e}"}
     errors = _wait([fut], wait_s)
     return {"hung": True} if errors is None else {"from_future": errors[0]}
+
+
+def storage_fails_on_rank_1_run(root: str, mode: str, wait_s: float) -> dict:
+    """Three saves (``mode``: ``"sync"`` dcp.save, ``"async"`` dcp.async_save without waiting) to
+    ``root/p<i>``; rank 1's writes of the second fail (EIO). DCP gathers rank 1's exception to the
+    coordinator by pickling it: unickpt's SaveFailedError must survive that (it did not: rank 0 raised a
+    TypeError, rank 1 waited for rank 0's broadcast forever). Returns what each save raised."""
+    import errno
+
+    from unickpt.testing import Fault, install
+
+    uninstall = install(Fault("write", match=f"{root}/p1/*", nth=None, errno=errno.EIO)) if dist.get_rank() == 1 \
+        else (lambda: None)
+    try:
+        def state(step: int) -> dict:  # replicated tensors: the writes are balanced over both ranks
+            return {**{f"w{i}": torch.arange(100_000.0) * (step + 1) + i for i in range(4)}, "step": step}
+
+        if mode == "sync":
+            errors = []
+            for s in range(3):
+                try:
+                    dcp.save(state(s), storage_writer=unickpt.fsdp.StorageWriter(f"{root}/p{s}"))
+                    errors.append(None)
+                except BaseException as e:  # DCP's CheckpointException is a BaseException
+                    errors.append(_error(e))
+        else:
+            futures = [dcp.async_save(state(s), storage_writer=unickpt.fsdp.StorageWriter(f"{root}/p{s}"))
+                       for s in range(3)]
+            errors = _wait(futures, wait_s)
+            if errors is None:
+                return {"hung": True}
+    finally:
+        uninstall()
+    t = {**{f"w{i}": torch.zeros(100_000) for i in range(4)}, "step": -1}
+    dcp.load(t, storage_reader=unickpt.fsdp.StorageReader(f"{root}/p2"))
+    ok = all(torch.equal(t[f"w{i}"], torch.arange(100_000.0) * 3 + i) for i in range(4))
+    return {"hung": False, "errors": errors, "step": t["step"], "w_ok": ok}

@@ -127,3 +127,17 @@ def test_async_save_failing_after_staging_does_not_block_later_saves(tmp_path, m
     dcp.load(state, storage_reader=unickpt.fsdp.StorageReader(path))
     assert state["step"] == 2 and torch.equal(state["w"], torch.full((3,), 3.0))
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_storage_failure_on_one_rank_fails_that_save_on_every_rank(ranks, tmp_path, mode):
+    """Rank 1's writes of the second of three saves fail: that save raises DCP's CheckpointException
+    naming the I/O error on both ranks (DCP pickles rank 1's SaveFailedError to the coordinator), the
+    others save; nothing hangs."""
+    res = ranks.run(a.storage_fails_on_rank_1_run, str(tmp_path), mode, WAIT_S)
+    assert [r["hung"] for r in res] == [False, False], "a save hung"
+    for r in res:
+        first, failed, last = r["errors"]
+        assert first is None and last is None, r
+        assert failed.startswith("CheckpointException: ") and "Input/output error (injected: write of " in failed, r
+        assert r["step"] == 2 and r["w_ok"]
