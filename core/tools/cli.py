@@ -263,7 +263,8 @@ def _print_removals(args: argparse.Namespace, removals: list) -> None:
         return
     verb = "would remove" if args.dry_run else "removed"
     for r in removals:
-        print(f"{verb} {r.path} ({'committed' if r.committed else 'incomplete'}; {r.reason})")
+        kind = "committed" if r.committed else "incomplete"
+        print(f"{verb} {r.path} ({r.reason if r.reason.startswith(kind) else f'{kind}; {r.reason}'})")
     if not removals:
         print("nothing to remove")
 

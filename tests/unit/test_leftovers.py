@@ -134,9 +134,9 @@ def test_prune_removes_failed_and_dead_leftovers_whatever_their_step(tmp_path, c
     os.makedirs(root / "step_0" / "data")  # no writer record, older than the newest commit: a crash leftover
     assert main(["prune", str(root), "--keep-last", "2"]) == 0
     out, err = capsys.readouterr()
-    assert out.splitlines() == [f"removed {root / 'step_0'} (incomplete; incomplete (crashed save))",
-                                f"removed {root / 'step_7'} (incomplete; incomplete (failed save))",
-                                f"removed {root / 'step_9'} (incomplete; incomplete (its writer is gone))"]
+    assert out.splitlines() == [f"removed {root / 'step_0'} (incomplete (crashed save))",
+                                f"removed {root / 'step_7'} (incomplete (failed save))",
+                                f"removed {root / 'step_9'} (incomplete (its writer is gone))"]
     assert err == f"unickpt prune: kept {str(root / 'step_1')!r} is being written by a live process " \
                   f"(see its .unickpt-writer); not removing it\n"
     assert sorted(os.listdir(root)) == ["latest", "step_1", "step_2", "step_3", "step_6", "step_8"]
@@ -149,7 +149,7 @@ def test_prune_removes_dead_leftovers_when_nothing_is_committed(tmp_path, capsys
     root = tmp_path / "run"
     record(root / "step_3", pid=dead_pid())
     assert main(["prune", str(root), "--keep-last", "1"]) == 0
-    assert capsys.readouterr().out == f"removed {root / 'step_3'} (incomplete; incomplete (its writer is gone))\n"
+    assert capsys.readouterr().out == f"removed {root / 'step_3'} (incomplete (its writer is gone))\n"
     assert os.listdir(root) == []
 
 
