@@ -57,4 +57,5 @@ try:
     outcome = "finished"
 except Exception as e:  # noqa: BLE001 - printed for the test
     outcome = type(e).__name__
-print(f"rank {trainer.global_rank}: {outcome} {sorted(os.listdir(folder))}", flush=True)
+# one write per line (atomic on a pipe): the two processes' lines never interleave
+os.write(1, f"rank {trainer.global_rank}: {outcome} {sorted(os.listdir(folder))}\n".encode())
