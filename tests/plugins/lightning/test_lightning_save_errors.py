@@ -16,19 +16,8 @@ pytest.importorskip("lightning")
 
 import unickpt  # noqa: E402
 from unickpt.lightning import UnickptCheckpointIO  # noqa: E402
-from unickpt.lightning import io as io_module  # noqa: E402
 from unickpt.testing import Fault, inject  # noqa: E402
-
-
-@pytest.fixture
-def in_run(monkeypatch):
-    """Saves behave as inside a Trainer run (asynchronous)."""
-    monkeypatch.setattr(io_module, "trainer_running", lambda: True, raising=False)
-
-
-def ckpt(step: int, value: float) -> dict:
-    return {"epoch": 0, "global_step": step, "pytorch-lightning_version": "2.6.6",
-            "state_dict": {"layer.weight": torch.full((2, 32), value), "layer.bias": torch.full((2,), value)}}
+from test_lightning_dropin import ckpt, in_run  # noqa: E402,F401 - the fixture and the checkpoint dict
 
 
 def _enospc() -> Fault:
