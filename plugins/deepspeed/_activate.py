@@ -8,7 +8,11 @@ calls ``create_checkpoint_engine``, a name imported into ``deepspeed.runtime.eng
 ``DeepSpeedEngine.save_checkpoint`` / ``load_checkpoint``: engines whose checkpoint engine is unickpt's
 take unickpt's path (:mod:`unickpt.deepspeed.checkpoint`), every other engine runs DeepSpeed's original
 method with the same arguments. ``DeepSpeedEngine.step`` is wrapped too: after an optimizer step of an
-engine whose block sets ``memory_every`` / ``persist_every``, the checkpoint tiers' schedule runs.
+engine whose block sets ``memory_every`` / ``persist_every``, the checkpoint tiers' schedule runs. And
+``DeepSpeedEngine._configure_checkpointing`` (called by the engine's ``__init__`` right after the optimizer
+is built): an engine that got unickpt's checkpoint engine is checked there
+(:func:`~unickpt.deepspeed.engine.check_supported`), so ``deepspeed.initialize`` refuses what
+``save_checkpoint`` would refuse after training.
 
 The unickpt startup hook (:mod:`unickpt._startup`, through this package's ``unickpt.startup`` entry point)
 calls :func:`startup` right after ``import deepspeed`` in every interpreter; it installs unless
@@ -73,6 +77,10 @@ def install() -> None:
     cls.save_checkpoint = _dispatch(cls.save_checkpoint, "save_checkpoint")
     cls.load_checkpoint = _dispatch(cls.load_checkpoint, "load_checkpoint")
     cls.step = _with_tiers(cls.step)
+    cls._configure_checkpointing = _checked_at_init(cls._configure_checkpointing)
+    from .tools import install as install_tools  # zero_to_fp32 / ds_to_universal read unickpt checkpoints
+
+    install_tools()
     ds_engine.create_checkpoint_engine = create_checkpoint_engine  # last: marks the install as complete
 
 
@@ -115,6 +123,27 @@ def _with_tiers(original: Any) -> Any:
     setattr(step, _MARK, True)
     step.__unickpt_original__ = original
     return step
+
+
+def _checked_at_init(original: Any) -> Any:
+    """``DeepSpeedEngine._configure_checkpointing``, then, for an engine that got unickpt's checkpoint
+    engine, :func:`~unickpt.deepspeed.engine.check_supported` (raises NotImplementedError out of
+    ``deepspeed.initialize``)."""
+    if getattr(original, _MARK, False):
+        return original
+
+    @functools.wraps(original)
+    def configure(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        if getattr(getattr(self, "checkpoint_engine", None), "is_unickpt", False):
+            from .engine import check_supported
+
+            check_supported(self)
+        return out
+
+    setattr(configure, _MARK, True)
+    configure.__unickpt_original__ = original
+    return configure
 
 
 def _dispatch(original: Any, name: str) -> Any:

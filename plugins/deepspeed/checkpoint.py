@@ -12,12 +12,18 @@ checkpoint committed. The saved state (fqn prefixes)::
     optimizer.state.<key>.<param name>       optimizer state shaped like the master weights (exp_avg, ...)
     optimizer.scalars                        per flat partition: the other optimizer state (Adam's step)
     optimizer.param_groups                   hyperparameters of the base optimizer's param groups
+    optimizer.wrapper                        fp16 only: the DeepSpeed optimizer wrapper's own state, the
+                                             loss scaler, overflow, clip_grad (zero_state.wrapper_state)
     lr_scheduler                             the LR scheduler's state dict
     client_state                             the caller's client_state (tagged JSON)
     deepspeed                                global_steps, global_samples, skipped_steps, layout info
 
 Because every partition is stored in the coordinates of the original parameters, a load reshards: the
-checkpoint loads on another data-parallel size (or ZeRO stage) without a conversion step.
+checkpoint loads on another data-parallel size (or ZeRO stage) without a conversion step. Pipeline
+engines are one more layout: a stage's parameters have global names (``<layer idx>.weight``), a tied
+layer is saved by the first stage that holds it, and the checkpoint loads on another number of stages.
+Ranks that pass different tags (``checkpoint.tag_validation`` WARN / IGNORE) save and load under group
+rank 0's tag.
 """
 from __future__ import annotations
 
@@ -31,7 +37,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from unickpt import Shard, StateMismatchError, UnsafeObjectError, ext
 
 from .engine import finish_all_pending, wait_for_tag
-from .zero_state import ZeroLayout, zero_layout
+from .tools import LATEST_UNIVERSAL, copy_recovery_script, model_record
+from .zero_state import ZeroLayout, check_wrapper_state, restore_wrapper_state, wrapper_state, zero_layout
 
 __all__ = ["save_checkpoint", "load_checkpoint", "LATEST_FILE", "FORMAT"]
 
@@ -100,15 +107,34 @@ def _info(engine: Any, layout: ZeroLayout) -> dict:
             "global_samples": int(engine.global_samples), "skipped_steps": int(engine.skipped_steps),
             "zero_stage": int(engine.zero_optimization_stage()),
             "dp_world_size": int(engine.seq_dp_world_size), "mp_world_size": int(engine.mp_world_size),
-            "bf16": bool(engine.bfloat16_enabled()), "ds_version": deepspeed.__version__}
+            "bf16": bool(engine.bfloat16_enabled()), "ds_version": deepspeed.__version__,
+            **model_record(engine.module)}  # buffer_names, shared_params: for DeepSpeed's zero_to_fp32 (.tools)
+
+
+def pipeline_unsupported_reason(engine: Any) -> str | None:
+    """Why unickpt cannot checkpoint this pipeline engine, or None (also for engines without a pipeline).
+
+    Pipeline stages are a layout like any other: ``PipelineModule`` names each stage's parameters by
+    global layer index (``<idx>.weight``, ``runtime/pipe/module.py`` ``_build``), unique across stages,
+    and tied layers (``tied_modules.<key>.*``) are replicas saved by the first stage that holds them.
+    A topology with a model-parallel axis is refused: its slices would store different tensor-parallel
+    shards under one name.
+    """
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    if not isinstance(engine.module, PipelineModule):
+        return None
+    mp = int(engine.module.mpu().get_slice_parallel_world_size())
+    if mp > 1:
+        return (f"unickpt.deepspeed: pipeline engines with a model-parallel axis (size {mp} in the "
+                "PipelineModule's topology) are not supported; remove the \"unickpt\" block from the DeepSpeed config")
+    return None
 
 
 def _check_supported(engine: Any) -> None:
-    from deepspeed.runtime.pipe.module import PipelineModule
-
-    if isinstance(engine.module, PipelineModule):
-        raise NotImplementedError("unickpt.deepspeed: pipeline-parallel engines are not supported; remove the "
-                                  '"unickpt" block from the DeepSpeed config')
+    reason = pipeline_unsupported_reason(engine)
+    if reason is not None:
+        raise NotImplementedError(reason)
     if engine.zero_nvme_offload_optimizer():
         raise NotImplementedError("unickpt.deepspeed: NVMe optimizer offload is not supported")
 
@@ -118,17 +144,18 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     """``DeepSpeedEngine.save_checkpoint`` through unickpt (collective: every rank calls it).
 
-    Writes ``save_dir/<tag>/`` (``tag`` defaults to ``global_step<N>``) and, once it has committed,
-    ``save_dir/latest``. With ``async_save`` (the default) it returns once the state is copied to host
-    memory; the commit follows in the background. Saving to a tag again replaces it (as DeepSpeed does):
-    the call first waits for a save to that tag still in flight; on local storage the new checkpoint is
-    written to ``save_dir/.<tag>.unickpt-new`` and renamed into place at its commit, so the committed
-    ``<tag>`` stays loadable until then (on object stores, which have no directory rename, it is
-    deleted first).
+    Writes ``save_dir/<tag>/`` (``tag`` defaults to ``global_step<N>``; group rank 0's when the ranks'
+    tags differ, :func:`_agreed_tag`) and, once it has committed, ``save_dir/latest``. With
+    ``async_save`` (the default) it returns once the state is copied to host memory; the commit
+    follows in the background. Saving to a tag again replaces it (as DeepSpeed does): the call first
+    waits for a save to that tag still in flight; on local storage the new checkpoint is written to
+    ``save_dir/.<tag>.unickpt-new`` and renamed into place at its commit, so the committed ``<tag>``
+    stays loadable until then (on object stores, which have no directory rename, it is deleted first).
 
     Raises:
         ValueError: empty ``save_dir``.
-        NotImplementedError: pipeline parallelism, NVMe offload, unknown optimizer wrappers.
+        NotImplementedError: pipelines with a model-parallel axis, NVMe offload, unknown optimizer wrappers.
+        AssertionError: ``checkpoint.tag_validation`` is ``FAIL`` and the ranks' tags differ (DeepSpeed's).
         SaveFailedError: a synchronous save failed on some rank (names every rank and why); an earlier
             asynchronous save's failure is raised here too.
         UnsafeObjectError: ``client_state`` holds a value only pickle can store and ``allow_pickle`` is off.
@@ -139,8 +166,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     cfg = ckpt.config
     _check_supported(engine)
     ckpt._reap_done()
-    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
-    engine._checkpoint_tag_validation(tag)
+    tag = _agreed_tag(engine, str(tag if tag is not None else f"global_step{engine.global_steps}"), "saves")
     # before anything is touched: a client_state that cannot be saved fails the call and changes nothing
     client_enc = _encode_client_state(dict(client_state or {}), cfg.allow_pickle)
     save_dir = os.fspath(save_dir)
@@ -165,6 +191,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
             _swap_in(storage, target, path)
         if save_latest:
             ext.CheckpointRoot(save_dir, storage=storage).write_latest(tag)
+        copy_recovery_script(storage, save_dir)  # save_dir/zero_to_fp32.py, as DeepSpeed leaves it
 
     if engine._optimizer_has_ckpt_event_prologue():
         engine.optimizer.checkpoint_event_prologue()
@@ -178,6 +205,29 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     if cfg.async_save:
         ckpt.add_pending(handle, CheckpointCommitInfo(tag=tag, save_dir=save_dir, save_latest=save_latest))
     return True
+
+
+def _agreed_tag(engine: Any, tag: str, verb: str) -> str:
+    """The checkpoint tag every rank uses (collective), following ``checkpoint.tag_validation``.
+
+    DeepSpeed's own check runs first (``runtime/engine.py`` ``_checkpoint_tag_validation``): ``FAIL``
+    raises its AssertionError on every rank when the ranks' tags differ, before anything is written;
+    ``WARN`` logs its warning. Under ``WARN`` / ``IGNORE`` DeepSpeed lets each rank write under its own
+    tag and ``latest`` names group rank 0's; a unickpt checkpoint is one directory, so every rank takes
+    group rank 0's tag (one broadcast). Under ``WARN`` each rank whose tag differs logs which tag it gave
+    and which is used (``verb``: ``"saves"`` / ``"loads"``).
+    """
+    engine._checkpoint_tag_validation(tag)
+    if engine.checkpoint_tag_validation_fail():
+        return tag
+    uengine = ext.engine()
+    tag0 = uengine.broadcast(tag)
+    if tag0 != tag and engine.checkpoint_tag_validation_enabled():
+        used = (f"the checkpoint is written under {tag0!r} (the tag 'latest' names)" if verb == "saves"
+                else f"{tag0!r} is loaded")
+        log.warning("unickpt.deepspeed: rank %d %s with checkpoint tag %r, group rank 0 with %r: %s", uengine.rank,
+                    verb, tag, tag0, used)
+    return tag0
 
 
 def _encode_client_state(client_state: dict, allow_pickle: bool) -> Any:
@@ -204,9 +254,24 @@ def _save_state(engine: Any, uengine: Any, cfg: Any, target: str, tag: str, clie
                 exclude_frozen: bool, on_commit: Any) -> Any:
     """Build the state (see the module docstring) and hand it to unickpt; returns the SaveHandle."""
     state = _state(engine, client_enc, exclude_frozen)
+    _drop_pipeline_replicas(engine, state)
     return uengine.save(target, state, async_save=cfg.async_save, storage_options=cfg.storage_options or None,
                         step=int(engine.global_steps), framework="deepspeed", extra={"deepspeed_tag": tag},
                         on_commit=on_commit, allow_pickle=cfg.allow_pickle)
+
+
+def _drop_pipeline_replicas(engine: Any, state: dict) -> None:
+    """Pipeline engines: a tied parameter (``TiedLayerSpec``) lives on several stages, each with its own
+    optimizer partition of it (the stages' data-parallel groups cut their flat buffers differently),
+    so only the first stage holding it saves it: DeepSpeed marks the copies of the other stages
+    ``param.ds_pipe_replicated`` (``runtime/pipe/module.py`` ``_index_tied_modules``). On load every
+    stage reads it."""
+    replicas = {n for n, p in engine.module.named_parameters() if getattr(p, "ds_pipe_replicated", False)}
+    if not replicas:
+        return
+    for part in (state["module"], state["optimizer"]["fp32"], *state["optimizer"].get("state", {}).values()):
+        for name in replicas:
+            part.pop(name, None)
 
 
 def memory_state(engine: Any, ckpt: Any) -> dict:
@@ -238,6 +303,9 @@ def _state(engine: Any, client_enc: Any, exclude_frozen: bool) -> dict:
         "client_state": client_enc,
         "deepspeed": _info(engine, layout),
     }
+    wrapper = wrapper_state(layout)
+    if wrapper:  # fp16: the loss scaler and the wrapper's flags
+        state["optimizer"]["wrapper"] = ext.encode(wrapper, allow_pickle=False, key="optimizer.wrapper")
     if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict"):
         state["lr_scheduler"] = engine.lr_scheduler
     return state
@@ -266,8 +334,15 @@ def _swap_in(storage: ext.StorageBackend, new: str, path: str) -> None:
 
 
 # -- load -----------------------------------------------------------------------------------------
-def _read_latest(storage: ext.StorageBackend, load_dir: str) -> str | None:
-    return ext.CheckpointRoot(load_dir, storage=storage).read_latest()
+def _read_latest(storage: ext.StorageBackend, load_dir: str, name: str = LATEST_FILE) -> str | None:
+    """The tag ``load_dir/<name>`` holds (``latest``, or ``latest_universal`` under ``load_universal``),
+    or None (no file, or unreadable)."""
+    if name == LATEST_FILE:
+        return ext.CheckpointRoot(load_dir, storage=storage).read_latest()
+    try:
+        return storage.read_bytes(storage.join(load_dir, name)).decode().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _is_native_deepspeed(storage: ext.StorageBackend, path: str) -> bool:
@@ -287,7 +362,8 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     ``(None, None)`` like DeepSpeed. A tag directory holding a DeepSpeed-native checkpoint (no
     ``metadata.json`` but ``*_model_states.pt``) is loaded by DeepSpeed's own code. Parameters, fp32
     master weights and optimizer state are filled in place from the stored flat ranges, whatever the
-    data-parallel size or ZeRO stage at save time.
+    data-parallel size, ZeRO stage or number of pipeline stages at save time. Ranks passing different
+    tags load group rank 0's (:func:`_agreed_tag`).
 
     Returns:
         ``(checkpoint path, client_state)``.
@@ -297,8 +373,9 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
         StateMismatchError: a checkpoint written by another framework; a parameter or optimizer state
             missing from the checkpoint (named), a dtype or shape mismatch, another number of param groups,
             or another optimizer's state (checked before anything is loaded: the engine is then left as it
-            was).
-        NotImplementedError: ``custom_load_fn``, pipeline parallelism, NVMe offload.
+            was); pipeline engines: raised on every rank when any stage's layers differ (names the ranks).
+        AssertionError: ``checkpoint.tag_validation`` is ``FAIL`` and the ranks' tags differ (DeepSpeed's).
+        NotImplementedError: ``custom_load_fn``, pipelines with a model-parallel axis, NVMe offload.
     """
     ckpt = engine.checkpoint_engine
     cfg = ckpt.config
@@ -313,13 +390,18 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
                                      load_lr_scheduler_states)
         if restored is not None:
             return restored
+    if tag is None and engine.load_universal_checkpoint():  # DeepSpeed reads ``latest_universal`` then
+        tag = _read_latest(storage, load_dir, LATEST_UNIVERSAL)
+        if tag is None:
+            raise ValueError(f"Invalid for universal checkpoint: {storage.join(load_dir, LATEST_UNIVERSAL)} "
+                             "does not exist")
     if tag is None:
         tag = _read_latest(storage, load_dir)
         if tag is None:
             log.warning("unickpt.deepspeed: no %r file in %s; pass tag= to load a specific checkpoint",
                         LATEST_FILE, load_dir)
             return None, None
-    tag = str(tag)
+    tag = _agreed_tag(engine, str(tag), "loads")
     path = storage.join(load_dir, tag)
     if storage.is_local and not storage.exists(storage.join(path, ext.METADATA_FILE)):
         for suffix in (REPLACING_SUFFIX, REPLACED_SUFFIX):  # a crash between the renames of _swap_in
@@ -343,6 +425,8 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
             f"{path!r} was written by {meta.framework or 'unickpt.save'}; a DeepSpeed engine loads DeepSpeed "
             "checkpoints only (load it into FSDP / Accelerate / Lightning, which read other frameworks' "
             "checkpoints: docs/cross-framework.md)")
+    if _is_pipeline(engine):
+        _check_pipeline_stages(engine, meta, path, load_module_strict, load_module_only)
     if engine._optimizer_has_ckpt_event_prologue():
         engine.optimizer.checkpoint_event_prologue()
     try:  # the epilogue must run whatever fails (ZeRO-3: it gathers the persistent parameters again)
@@ -352,6 +436,51 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
         if engine._optimizer_has_ckpt_event_epilogue():
             engine.optimizer.checkpoint_event_epilogue()
     return path, ext.decode(client_enc, allow_pickle=cfg.allow_pickle, key="client_state")
+
+
+def _is_pipeline(engine: Any) -> bool:
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    return isinstance(engine.module, PipelineModule)
+
+
+def _other_stage(engine: Any, name: str) -> bool:
+    """Pipeline engines: True when the saved module weight ``name`` belongs to a layer of the model that
+    another stage builds (``<idx>.*`` with ``idx`` outside this stage's layers, or ``tied_modules.<key>.*``
+    of a tied key this stage does not hold), so it is no surplus weight of this stage."""
+    if not _is_pipeline(engine):
+        return False
+    from deepspeed.runtime.pipe.module import TiedLayerSpec
+
+    module = engine.module
+    head, _, rest = name.partition(".")
+    if head == "tied_modules":
+        key = rest.partition(".")[0]
+        return key not in module.tied_modules and any(
+            isinstance(spec, TiedLayerSpec) and spec.key == key for spec in module._layer_specs)
+    if head.isdigit():
+        idx = int(head)
+        return idx < len(module._layer_specs) and not module._local_start <= idx < module._local_stop
+    return False
+
+
+def _check_pipeline_stages(engine: Any, meta: Any, path: str, load_module_strict: bool,
+                           load_module_only: bool) -> None:
+    """Pipeline engines, before anything is loaded (collective): every stage builds other layers, so a
+    checkpoint of another model may lack the weights of one stage only. Each rank checks its weights
+    and fp32 masters against the checkpoint (:func:`_load_target`), and a StateMismatchError of any
+    rank is raised on every rank, naming each failing rank and its keys (no rank waits in the load)."""
+    saved_tensors = set(meta.tensors) | set(meta.aliases)
+    _, _, saved_objects = ext.saved_leaves(meta.state_tree)
+    error = None
+    try:
+        _load_target(engine, zero_layout(engine), path, saved_tensors, saved_objects, [], False, load_module_strict,
+                     False, load_module_only)
+    except StateMismatchError as e:
+        error = str(e)
+    failed = [f"rank {r}: {e}" for r, e in enumerate(ext.engine().all_gather(error)) if e is not None]
+    if failed:
+        raise StateMismatchError("pipeline stages and the checkpoint differ: " + "; ".join(failed))
 
 
 def _load_from_memory(engine: Any, storage: Any, load_dir: str, load_module_strict: bool,
@@ -412,6 +541,13 @@ def _apply_loaded(engine: Any, layout: ZeroLayout, path: str, state: dict, with_
     info = state["deepspeed"]
     if with_moments:
         _restore_optimizer_scalars(layout, path, state["optimizer"]["scalars"], state["optimizer"]["param_groups"])
+        if state["optimizer"].get("wrapper") is not None:
+            wrapper = ext.decode(state["optimizer"]["wrapper"], key="optimizer.wrapper")
+            dropped = restore_wrapper_state(layout, wrapper)
+            if dropped:
+                log.warning("unickpt.deepspeed: %s: this engine's %s has no place for the saved loss-scaler fields "
+                            "%s; they are not restored", path, type(layout.wrapper).__name__,
+                            {k: wrapper["loss_scaler"][k] for k in dropped})
     if not load_module_only:
         engine.global_steps = int(info["global_steps"])
         engine.global_samples = int(info["global_samples"])
@@ -470,6 +606,8 @@ def _load_target(engine: Any, layout: ZeroLayout, path: str, saved_tensors: set,
     if with_moments:
         state["optimizer"]["scalars"] = None
         state["optimizer"]["param_groups"] = None
+        if "optimizer.wrapper" in saved_objects:  # fp16 checkpoints only
+            state["optimizer"]["wrapper"] = None
     state["client_state"] = None
     state["deepspeed"] = None
     restore_sched = (load_lr_scheduler_states and not load_module_only and engine.lr_scheduler is not None
@@ -483,7 +621,8 @@ def _load_target(engine: Any, layout: ZeroLayout, path: str, saved_tensors: set,
     flat = ext.flatten(state, for_load=True)
     missing = sorted(set(flat.tensors) - saved_tensors) + sorted(
         f for f in flat.objects if f not in saved_objects and not f.startswith("lr_scheduler"))
-    unexpected = sorted(f for f in saved_tensors if f.startswith("module.") and f not in flat.tensors)
+    unexpected = sorted(f for f in saved_tensors if f.startswith("module.") and f not in flat.tensors
+                        and not _other_stage(engine, f[len("module."):]))
     if missing or (load_module_strict and unexpected):
         parts = []
         if missing:
@@ -507,6 +646,7 @@ def _check_optimizer(layout: ZeroLayout, path: str, saved_objects: dict, state_k
     groups = _saved_plain(saved_objects, "optimizer.param_groups", twice=True)
     if scalars is not None:
         _scalars_for(layout, path, scalars)
+    check_wrapper_state(layout, path, _saved_plain(saved_objects, "optimizer.wrapper", twice=True) or {})
     if groups is not None and len(groups) != len(layout.base.param_groups):
         raise StateMismatchError(f"{path!r}: 'optimizer.param_groups': the checkpoint has {len(groups)} param "
                                  f"groups, this optimizer has {len(layout.base.param_groups)}")

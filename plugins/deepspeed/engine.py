@@ -13,6 +13,10 @@ checkpoint engine:
   unickpt's background thread as soon as every rank's bytes are durable, so it never waits for a step.
 - the per-file ``save`` / ``load`` DeepSpeed still uses outside ``save_checkpoint`` (for example
   ``save_16bit_model``): plain ``torch.save`` / ``torch.load``, as DeepSpeed's TorchCheckpointEngine.
+
+:func:`check_supported` is run by ``deepspeed.initialize`` (through :mod:`unickpt.deepspeed._activate`) once
+the engine's optimizer exists, so a configuration the plugin cannot save is refused there, not after
+training.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from .config import UnickptConfig
 
-__all__ = ["UnickptCheckpointEngine", "finish_all_pending", "wait_for_tag"]
+__all__ = ["UnickptCheckpointEngine", "check_supported", "finish_all_pending", "wait_for_tag"]
 
 log = logging.getLogger("unickpt.deepspeed")
 
@@ -43,8 +47,7 @@ class UnickptCheckpointEngine(CheckpointEngine):
         has_moe_layers: from DeepSpeed's factory; MoE models are not supported.
 
     Raises:
-        NotImplementedError: fp16 training (dynamic loss scaling is not saved) or MoE layers: remove the
-            ``"unickpt"`` block to use DeepSpeed's own checkpoints for these.
+        NotImplementedError: MoE layers: remove the ``"unickpt"`` block to use DeepSpeed's own checkpoints.
     """
 
     is_unickpt = True
@@ -53,9 +56,6 @@ class UnickptCheckpointEngine(CheckpointEngine):
         super().__init__(config_params)
         self.name = "UnickptCheckpointEngine"
         self.config = config or UnickptConfig(enabled=True)
-        if config_params is not None and getattr(config_params, "fp16_enabled", False):
-            raise NotImplementedError('DeepSpeed config "unickpt": fp16 training is not supported (its loss-scaler '
-                                      'state is not saved); use bf16 or fp32, or remove the "unickpt" block')
         if has_moe_layers:
             raise NotImplementedError('DeepSpeed config "unickpt": models with MoE layers are not supported; '
                                       'remove the "unickpt" block to use DeepSpeed\'s checkpoints')
@@ -174,6 +174,25 @@ class UnickptCheckpointEngine(CheckpointEngine):
 
     def preserves_storage_sharing(self) -> bool:
         return True
+
+
+def check_supported(engine: Any) -> None:
+    """Refuse, while ``deepspeed.initialize`` builds ``engine``, a configuration that ``save_checkpoint``
+    would refuse: the same checks, run once the optimizer wrapper exists (right after
+    ``DeepSpeedEngine._configure_checkpointing``, ``runtime/engine.py:696``, which follows
+    ``_configure_optimizer``).
+
+    Raises:
+        NotImplementedError: what ``unickpt.deepspeed.checkpoint._check_supported`` and
+            :func:`unickpt.deepspeed.zero_state.zero_layout` raise (an optimizer wrapper the plugin does not
+            know, no optimizer, NVMe offload, ...); the message names it and says to remove the
+            ``"unickpt"`` block.
+    """
+    from .checkpoint import _check_supported
+    from .zero_state import zero_layout
+
+    _check_supported(engine)
+    zero_layout(engine)
 
 
 def wait_for_tag(save_dir: str, tag: str) -> None:

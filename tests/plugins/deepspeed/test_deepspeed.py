@@ -239,18 +239,6 @@ def test_decoupled_contract_raises_failed_async_save_at_step_boundary():
     assert running.waited == 1 and eng._pending == []
 
 
-def test_fp16_is_refused_with_a_clear_error():
-    from unickpt.deepspeed.config import UnickptConfig
-    from unickpt.deepspeed.engine import UnickptCheckpointEngine
-
-    class FP16Config:
-        fp16_enabled = True
-
-    with pytest.raises(NotImplementedError) as e:
-        UnickptCheckpointEngine(FP16Config(), UnickptConfig(enabled=True))
-    assert str(e.value).startswith('DeepSpeed config "unickpt": fp16 training is not supported')
-
-
 def test_memory_tiers_through_the_json_block(tmp_path):
     """"memory_every" in the block: engine.step() saves to memory every optimizer step; a fresh engine's
     load_checkpoint restores the last step from memory bitwise; a SIGUSR1 to one rank makes every rank
