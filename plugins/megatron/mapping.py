@@ -40,7 +40,8 @@ ids, for states whose replicas are bitwise identical (megatron keeps DP and TP r
 Loading cuts every requested shard the same way, using the split recorded at save time; a rank that
 needs several pieces of one fqn loads them in successive rounds (one collective ``unickpt.load`` each).
 A request with fewer prepended axes than saved (``dist_checkpointing.load_plain_tensors`` asks for
-whole stacked tensors) is read per stored layer; a ShardedTensor with ``allow_shape_mismatch`` (padded
+whole stacked tensors) is read per stored layer, one with more (a plain tensor read as a stack, as
+megatron-core's ``test_partition_change_save_load`` does) as a box of the stored tensor; a ShardedTensor with ``allow_shape_mismatch`` (padded
 vocabularies) whose global shape differs gets zeros plus the stored overlap, megatron's torch_dist rule.
 """
 from __future__ import annotations
@@ -424,6 +425,16 @@ def to_load_targets(sharded_state_dict: Any, infos: dict[str, KeyInfo], object_s
                 except ValueError as err:
                     out.errors.append(str(err))
                 continue
+            if (info.shape, info.dtype) == want[:2] and info.prepend < want[2] and getattr(sh, "flattened_range", None) is None:
+                # more prepended axes than saved (megatron-core's test_partition_change_save_load): the same
+                # global tensor, whose stored fqn holds the request's leading axes as plain axes
+                try:
+                    e = _stacked(sh, info)
+                    for piece in _pieces(e, info):
+                        put(piece[0], _shard(e, sh.data.view(e.lengths), piece, 0))
+                except ValueError as err:
+                    out.errors.append(str(err))
+                continue
             if _padded_overlap(sh, info, want):
                 # allow_shape_mismatch (padded vocabularies): megatron's torch_dist rule, zeros + the overlap
                 e = _entry(sh)
@@ -482,6 +493,16 @@ def _unstack(sh: Any, info: KeyInfo) -> list[tuple[_Entry, torch.Tensor]]:
         out.append((_Entry(sh, base_fqn(sh.key, gidx, info.prepend), tuple(info.shape[info.prepend:]),
                            offs[info.prepend:], local[k:], None), data[idx]))
     return out
+
+
+def _stacked(sh: Any, info: KeyInfo) -> _Entry:
+    """The box of a ShardedTensor request with more prepended axes than ``info`` (same global shape), in
+    the coordinates of the stored fqn: its axes ``info.prepend .. sh.prepend_axis_num - 1`` become plain
+    axes of length 1 at the request's global offsets (megatron's torch_dist stores one global tensor, so
+    the number of prepended axes only says how the local tensor maps into it)."""
+    offs, q = tuple(int(o) for o in sh.global_offset), info.prepend
+    lengths = (1,) * (sh.prepend_axis_num - q) + tuple(int(n) for n in sh.local_shape)
+    return _Entry(sh, base_fqn(sh.key, offs, q), tuple(info.shape[q:]), offs[q:], lengths, None)
 
 
 def stored_object_sizes(tensor_meta: dict) -> dict[str, int]:

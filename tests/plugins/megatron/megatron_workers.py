@@ -365,6 +365,38 @@ def uneven_save_load(path: str, src: list, dest: list) -> list:
     return [sorted(got) == sorted(want) and torch.equal(got[i], want[i].data) for i in sorted(want)]
 
 
+def more_prepended_load(path: str) -> list:
+    """Save a plain (4, 6) key (row r on rank r, no prepended axis), then load it with one prepended axis
+    more than saved, as megatron-core's test_partition_change_save_load does (``prepend_axis_num=1``:
+    the global shape is the same, the stored tensor is read as a stack of rows): rank r reads row r
+    whole, then half of row 3 - r (not a cover of the tensor: megatron's access validation, which raises
+    on rank 0 only, is off for it). Returns [bitwise equal per load] or [(error type, message)]."""
+    _shim()
+    import unickpt.megatron as um
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    r = dist.get_rank()
+    full = torch.arange(24, dtype=torch.float32).view(4, 6)
+    if r == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save({"b": ShardedTensor.from_rank_offsets("keyB", full[r:r + 1].clone(), (0, r, 4))}, path,
+                            um.UnickptSaveShardedStrategy())
+    requests = [(ShardedTensor.from_rank_offsets("keyB", torch.full((6,), float("nan")), (0, r, 4), prepend_axis_num=1,
+                                                 replica_id=0), full[r]),
+                (ShardedTensor.from_rank_offsets("keyB", torch.full((3,), float("nan")), (0, 3 - r, 4), (1, r % 2, 2),
+                                                 prepend_axis_num=1, replica_id=0), full[3 - r, 3 * (r % 2):3 * (r % 2) + 3])]
+    out = []
+    for (sh, want), validate in zip(requests, (True, False)):
+        try:
+            got = dist_checkpointing.load({"b": sh}, path, validate_access_integrity=validate)["b"]
+        except Exception as e:
+            return [(type(e).__name__, str(e))]
+        out.append(tuple(got.shape) == tuple(want.shape) and torch.equal(got, want))
+    return out
+
+
 def load_errors(path: str) -> list:
     """Save a (2, 16) key (columns split over the 4 ranks), then load it as (2, 12) and under a key the
     checkpoint lacks, through dist_checkpointing.load (megatron-core's test_tensor_shape_mismatch and

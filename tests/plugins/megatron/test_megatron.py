@@ -210,6 +210,13 @@ def test_slab_rule():
         KeyInfo.from_json({**d, "cuts": [23, 11]})
 
 
+def test_load_with_more_prepended_axes_than_saved(mpool, tmp_path):
+    """A key saved without prepended axes loads into requests with one (megatron-core's
+    test_partition_change_save_load: the same global tensor, read row by row), bitwise, also a request
+    split along its remaining axis."""
+    assert mpool.run(W.more_prepended_load, str(tmp_path / "p")) == [[True, True]] * 4
+
+
 def test_load_errors_are_checkpointing_exceptions(mpool, tmp_path):
     """megatron's callers catch CheckpointingException around dist_checkpointing.load: a shape mismatch and
     a key missing from the checkpoint raise, on every rank, an error that is both that and unickpt's
