@@ -12,7 +12,14 @@ switched on as a user would; counts: ``passed``, ``failed``, ``skipped``, ``erro
   replaced by ``unickpt.fsdp.StorageWriter/Reader``; ``--torch-src``: a folder holding those files;
 - ``accelerate.py``: Accelerate's ``tests/test_state_checkpointing.py`` and the save/load subset of
   ``tests/test_accelerator.py`` with ``UNICKPT_ACCELERATE=1``; downloads the accelerate sdist itself
-  unless ``--accelerate-src`` is given (CI runs this one, see ``.ci/run``).
+  unless ``--accelerate-src`` is given (CI runs this one, see ``.ci/run``);
+- ``deepspeed.py``: DeepSpeed's ``tests/unit/checkpoint`` on the CPU with ``"unickpt": {"enabled": true}``
+  added to every ``deepspeed.initialize`` config; ``--deepspeed-src``: a folder holding DeepSpeed's
+  ``tests/`` (exported with ``git archive``, see that file);
+- ``megatron.py``: megatron-core's ``tests/unit_tests/dist_checkpointing`` (CPU subset, 8 ranks under
+  torchrun) with unickpt as the default sharded save strategy; ``--megatron-src``: a folder holding
+  Megatron-LM's tests and ``megatron/training`` at the installed version's tag (exported with
+  ``git archive``, see that file).
 
 The sources are fetched by the developer and never committed (see each runner's docstring).
 
@@ -67,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-src")
     ap.add_argument("--accelerate", action="store_true", help="also run Accelerate's suites")
     ap.add_argument("--accelerate-src")
+    ap.add_argument("--deepspeed-src")
+    ap.add_argument("--megatron-src")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows: list[dict] = []
@@ -76,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         rows += compare("torch_dcp", args.torch_src)
     if args.accelerate or args.accelerate_src:
         rows += compare("accelerate", args.accelerate_src)
+    if args.deepspeed_src:
+        rows += compare("deepspeed", args.deepspeed_src)
+    if args.megatron_src:
+        rows += compare("megatron", args.megatron_src)
     if not rows:
         ap.error("name at least one suite source")
     print(f"\n| suite | baseline passed | with unickpt passed | regressions | accepted differences |")
