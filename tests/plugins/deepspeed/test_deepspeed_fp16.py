@@ -3,7 +3,7 @@
 load bitwise, the dynamic loss scaler and the wrappers' flags included, at the same size and resharded; and a
 configuration the plugin cannot save is refused in ``deepspeed.initialize``, not after training.
 
-Real DeepSpeed engines on CPU (DS_ACCELERATOR=cpu, gloo) under torchrun: tests/plugins/deepspeed/fp16_workers.py.
+Real DeepSpeed engines on CPU (DS_ACCELERATOR=cpu, gloo) under torchrun: tests/plugins/deepspeed/ds_fp16_workers.py.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytest.importorskip("deepspeed")
 from test_deepspeed import ROOT, torchrun  # noqa: E402  (this folder is on sys.path: pytest prepend mode)
 
 pytestmark = pytest.mark.timeout(900)  # torchrun of DeepSpeed engines on a busy 2-core machine
-WORKER = os.path.join(ROOT, "tests", "plugins", "deepspeed", "fp16_workers.py")
+WORKER = os.path.join(ROOT, "tests", "plugins", "deepspeed", "ds_fp16_workers.py")
 TIMEOUT = 850  # seconds for one torchrun (about 40 s on an idle machine)
 CONFIGS = "z0fused,z0unfused,z1,z2,z3,z0bf16fused,z1bf16acc,z0fp32fused"
 

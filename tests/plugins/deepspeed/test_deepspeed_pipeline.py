@@ -2,7 +2,7 @@
 ``checkpoint.tag_validation`` (DeepSpeed lets ranks name different tags under WARN / IGNORE).
 
 Real DeepSpeed engines on CPU (DS_ACCELERATOR=cpu, gloo) under torchrun; see
-tests/plugins/deepspeed/pipeline_workers.py. Regressions: a pipeline engine's ``save_checkpoint`` raised
+tests/plugins/deepspeed/ds_pipeline_workers.py. Regressions: a pipeline engine's ``save_checkpoint`` raised
 NotImplementedError after training; ``tag=f"tag-{rank}"`` under WARN / IGNORE raised "ranks saved to
 different targets".
 """
@@ -16,7 +16,7 @@ pytest.importorskip("deepspeed")
 
 from test_deepspeed import ROOT, torchrun  # noqa: E402
 
-WORKER = os.path.join(ROOT, "tests", "plugins", "deepspeed", "pipeline_workers.py")
+WORKER = os.path.join(ROOT, "tests", "plugins", "deepspeed", "ds_pipeline_workers.py")
 pytestmark = pytest.mark.timeout(900)  # torchrun of 2 and 4 DeepSpeed ranks on a busy 2-core machine
 
 

@@ -3,7 +3,7 @@
 ``deepspeed.utils.zero_to_fp32`` in process (right after an async ``save_checkpoint``), the
 ``save_dir/zero_to_fp32.py`` script (and ``zero_to_torch.py``) that a save leaves, as a user runs it, and
 ``deepspeed.checkpoint.ds_to_universal`` followed by a ``load_universal`` load at another world size.
-Real DeepSpeed engines on CPU (torchrun, gloo); see tests/plugins/deepspeed/tools_workers.py.
+Real DeepSpeed engines on CPU (torchrun, gloo); see tests/plugins/deepspeed/ds_tools_workers.py.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from test_deepspeed import ROOT, torchrun  # noqa: E402
 
 import torch  # noqa: E402
 
-WORKER = os.path.join(ROOT, "tests", "plugins", "deepspeed", "tools_workers.py")
+WORKER = os.path.join(ROOT, "tests", "plugins", "deepspeed", "ds_tools_workers.py")
 TAG = "global_step2"
 
 

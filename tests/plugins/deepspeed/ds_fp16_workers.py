@@ -3,8 +3,8 @@ FusedAdam) engines on CPU (gloo) saving and loading through unickpt, with the op
 builds for ``"optimizer": {"type": "Adam"}``: FP16_Optimizer (ZeRO-0, FusedAdam), FP16_UnfusedOptimizer
 (ZeRO-0, torch Adam), DeepSpeedZeroOptimizer (ZeRO-1/2), DeepSpeedZeroOptimizer_Stage3, BF16_Optimizer.
 
-  DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 tests/plugins/deepspeed/fp16_workers.py save OUT CONFIGS
-  DS_ACCELERATOR=cpu torchrun --nproc_per_node=1 tests/plugins/deepspeed/fp16_workers.py load OUT CONFIGS
+  DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 tests/plugins/deepspeed/ds_fp16_workers.py save OUT CONFIGS
+  DS_ACCELERATOR=cpu torchrun --nproc_per_node=1 tests/plugins/deepspeed/ds_fp16_workers.py load OUT CONFIGS
 
 ``save``: per config, train 3 steps (the second overflows in fp16: the loss scaler halves its scale, or
 spends one hysteresis), save, gather the reference state (weights, fp32 masters, Adam's moments and step,

@@ -1,8 +1,8 @@
 """torchrun worker for tests/plugins/deepspeed/test_deepspeed_pipeline.py: DeepSpeed pipeline engines
 (``PipelineModule``, ``train_batch``) and ``checkpoint.tag_validation`` on CPU (gloo) through unickpt.
 
-  DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 tests/plugins/deepspeed/pipeline_workers.py pipe OUT 2x1 1x2,2x1
-  DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 tests/plugins/deepspeed/pipeline_workers.py tags OUT
+  DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 tests/plugins/deepspeed/ds_pipeline_workers.py pipe OUT 2x1 1x2,2x1
+  DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 tests/plugins/deepspeed/ds_pipeline_workers.py tags OUT
 
 ``pipe OUT SAVE LOADS``: per config, a ``PIPExDP`` pipeline engine trains 2 batches, saves (async), its
 full state is gathered (reference, every stage's parameters by name), it trains a 3rd batch (the

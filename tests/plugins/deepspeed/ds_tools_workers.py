@@ -1,8 +1,8 @@
 """torchrun worker for tests/plugins/deepspeed/test_deepspeed_tools.py: DeepSpeed's own checkpoint tools
 (``deepspeed.utils.zero_to_fp32``, ``deepspeed.checkpoint.ds_to_universal``) on unickpt checkpoints.
 
-  DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 tests/plugins/deepspeed/tools_workers.py save OUT
-  DS_ACCELERATOR=cpu torchrun --nproc_per_node=1 tests/plugins/deepspeed/tools_workers.py universal OUT
+  DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 tests/plugins/deepspeed/ds_tools_workers.py save OUT
+  DS_ACCELERATOR=cpu torchrun --nproc_per_node=1 tests/plugins/deepspeed/ds_tools_workers.py universal OUT
 
 ``save`` (2 ranks): per config, train 2 steps and save through unickpt (async); right after
 ``save_checkpoint`` returns, rank 0 runs DeepSpeed's functions on ``OUT/<config>``: the fp32 state dict
