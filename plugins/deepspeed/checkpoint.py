@@ -120,9 +120,7 @@ def pipeline_unsupported_reason(engine: Any) -> str | None:
     A topology with a model-parallel axis is refused: its slices would store different tensor-parallel
     shards under one name.
     """
-    from deepspeed.runtime.pipe.module import PipelineModule
-
-    if not isinstance(engine.module, PipelineModule):
+    if not _is_pipeline(engine):
         return None
     mp = int(engine.module.mpu().get_slice_parallel_world_size())
     if mp > 1:
@@ -439,6 +437,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
 
 
 def _is_pipeline(engine: Any) -> bool:
+    """True for pipeline engines (the engine's module is a ``PipelineModule``)."""
     from deepspeed.runtime.pipe.module import PipelineModule
 
     return isinstance(engine.module, PipelineModule)
