@@ -14,8 +14,8 @@ shapes and offsets exist, no tensor is allocated. Then the code the engine runs 
   (:func:`unickpt.saving.commit.build_metadata`, with synthetic checksums of the real count and
   length), its JSON size and its parse time (:meth:`CheckpointMetadata.from_json`);
 * resharding load: every target rank's needs as the loader computes them
-  (:func:`unickpt.loading.targets.spec_needs`), what it sends (:func:`unickpt.loading.loader.needs_doc`)
-  and its part of the zero-redundancy read plan (:func:`unickpt.loading.loader.plan_reads`), for a
+  (:func:`unickpt.plan.needs.spec_needs`), what it sends (:func:`unickpt.plan.read_plan.needs_doc`)
+  and its part of the zero-redundancy read plan (:func:`unickpt.plan.read_plan.plan_reads`), for a
   sample of ranks (first, second, middle, last).
 
 Models: Llama-2-7B, Llama-3-70B, Llama-3.1-405B shapes (layers, hidden, ffn, vocab, kv heads from
@@ -60,8 +60,9 @@ from unickpt.format.integrity import CHECKSUM_BLOCK_BYTES, block_size
 from unickpt.format.metadata import CheckpointMetadata
 from unickpt.saving.commit import build_metadata
 from unickpt.plan.save_plan import LocalPlan, decode_plans, make_save_plan
-from unickpt.loading.loader import needs_doc, plan_reads
-from unickpt.loading.targets import ChunkTable, TargetReads, spec_needs
+from unickpt.loading.targets import TargetReads
+from unickpt.plan.needs import ChunkTable, spec_needs
+from unickpt.plan.read_plan import needs_doc, plan_reads
 from unickpt.geometry import Box, EvenSplit, FlatRange
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -424,10 +425,10 @@ def _firsts(plans: list[LocalPlan]) -> list[int]:
 def measure_load(meta: CheckpointMetadata, targets: list[LocalPlan], *, verify: bool = True,
                  all_ranks: bool = False) -> dict:
     """Resharding load of ``meta`` into ``targets``, with the loader's own functions: each rank's
-    needs (:func:`unickpt.loading.targets.spec_needs`, what ``TargetReads.add`` records; ranks with
+    needs (:func:`unickpt.plan.needs.spec_needs`, what ``TargetReads.add`` records; ranks with
     identical plans compute identical needs, computed once) and what it sends to the read plan
-    (:func:`~unickpt.loading.loader.needs_doc`); ranks whose docs are equal send one (the engine
-    compares needs signatures). Then :func:`~unickpt.loading.loader.plan_reads`, the rank's part of
+    (:func:`~unickpt.plan.read_plan.needs_doc`); ranks whose docs are equal send one (the engine
+    compares needs signatures). Then :func:`~unickpt.plan.read_plan.plan_reads`, the rank's part of
     the read plan, for a sample of ranks (first, second, middle, last: the job-wide part is the same
     on every rank, the chunk-by-chunk part of split targets is the rank's own): ``read_plan_s`` is
     the slowest. ``all_ranks``: every rank's part, and ``bytes_read``, the bytes all readers read

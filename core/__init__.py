@@ -85,5 +85,3 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from .saving.request import SaveHandle, SaveStats
     from .state.leaves import PerRank, Shard
     from .state.rng import RNGState
-
-from . import _compat  # noqa: E402,F401 - the pre-0.2 module paths, deprecated (imports nothing heavy)

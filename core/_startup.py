@@ -12,9 +12,10 @@ then calls the entry point (the plugin's ``install()``, which reads its own swit
     deepspeed = "unickpt.deepspeed._activate:install"
 
 Core names no framework: the table comes from the entry points of the distributions whose name
-starts with ``unickpt`` (this package, and plugin packages named ``unickpt-*``), read straight from
-their ``*.dist-info/entry_points.txt`` on ``sys.path`` (about 0.3 ms; ``importlib.metadata`` would
-cost some 25 ms at every interpreter start). ``UNICKPT_STARTUP_HOOK=0`` disables the hook entirely
+starts with ``unickpt`` (this package, and plugin packages named ``unickpt-*``), read by the one
+registry of unickpt's entry points (:mod:`unickpt.interop.entry_points`: straight from their
+``*.dist-info/entry_points.txt`` on ``sys.path``, about 0.3 ms; ``importlib.metadata`` would cost some
+25 ms at every interpreter start). ``UNICKPT_STARTUP_HOOK=0`` disables the hook entirely
 (read here, before anything else of unickpt is imported). Lightning needs no hook: it discovers its
 plugin through its own ``lightning.pytorch.callbacks_factory`` entry point.
 
@@ -32,6 +33,8 @@ import threading
 import warnings
 from typing import Any
 
+from .interop.entry_points import read_entry_points
+
 __all__ = ["install", "HOOKS", "GROUP", "read_hooks"]
 
 GROUP = "unickpt.startup"
@@ -40,28 +43,8 @@ GROUP = "unickpt.startup"
 def read_hooks(paths: list[str] | None = None) -> dict[str, str]:
     """``{top-level module: "module:function"}`` of the ``unickpt.startup`` entry points of the
     ``unickpt*`` distributions on ``paths`` (default ``sys.path``); the first distribution found for
-    a name wins, as for imports."""
-    hooks: dict[str, str] = {}
-    for entry in paths if paths is not None else sys.path:
-        try:
-            names = [n for n in os.listdir(entry or ".") if n.lower().startswith("unickpt") and n.endswith(".dist-info")]
-        except OSError:
-            continue
-        for name in sorted(names):
-            try:
-                with open(os.path.join(entry or ".", name, "entry_points.txt"), encoding="utf-8") as f:
-                    text = f.read()
-            except OSError:
-                continue
-            section = None
-            for line in text.splitlines():
-                line = line.strip()
-                if line.startswith("[") and line.endswith("]"):
-                    section = line[1:-1].strip()
-                elif section == GROUP and "=" in line and not line.startswith(("#", ";")):
-                    key, _, value = line.partition("=")
-                    hooks.setdefault(key.strip(), value.split("[")[0].strip())
-    return hooks
+    a name wins, as for imports (:func:`unickpt.interop.entry_points.read_entry_points`)."""
+    return read_entry_points(GROUP, paths)
 
 
 # top-level module imported by the user -> "module:function" to call after it (filled by install())

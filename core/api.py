@@ -7,6 +7,7 @@ from typing import Any
 from .engine import SaveHandle, get_engine
 from .loading.stats import LoadStats
 from .options import LoadOptions, SaveOptions
+from .requests import LoadRequest, SaveRequest
 
 __all__ = ["save", "load"]
 
@@ -46,9 +47,9 @@ def save(path: str | os.PathLike, state: dict, *, async_save: bool = False, proc
             (docs/design.md, "Failures of asynchronous saves").
         StateMismatchError: ranks disagree on a tensor's dtype or global shape.
     """
-    return get_engine(process_group).save(os.fspath(path), state, async_save=async_save,
-                                          storage_options=storage_options, step=step, framework=framework,
-                                          allow_pickle=allow_pickle, options=options)
+    request = SaveRequest(os.fspath(path), async_save=async_save, storage_options=storage_options, step=step,
+                          framework=framework, allow_pickle=allow_pickle, options=options)
+    return get_engine(process_group).save(request, state)
 
 
 def load(path: str | os.PathLike, state: dict, *, strict: bool = True, process_group: Any = None,
@@ -99,6 +100,6 @@ def load(path: str | os.PathLike, state: dict, *, strict: bool = True, process_g
         TypeError / ValueError: ``options`` or ``mapping`` of the wrong kind or with bad values on some
             rank (raised on every rank, naming the rank), or ranks passing different ``redistribute``.
     """
-    return get_engine(process_group).load(os.fspath(path), state, strict=strict, storage_options=storage_options,
-                                          allow_pickle=allow_pickle, verify=verify, redistribute=redistribute,
-                                          options=options, mapping=mapping)
+    request = LoadRequest.of(path, strict=strict, storage_options=storage_options, allow_pickle=allow_pickle,
+                             verify=verify, redistribute=redistribute, options=options, mapping=mapping)
+    return get_engine(process_group).load(request, state)

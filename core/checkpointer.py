@@ -15,10 +15,10 @@ from typing import Any, Callable
 
 from .engine import SaveHandle, get_engine
 from .errors import EarlierSaveFailedError, SaveFailedError, StorageError
-from .lifecycle.directory import is_committed
 from .lifecycle.root import CheckpointRoot, list_checkpoints
 from .loading.stats import LoadStats
 from .options import LoadOptions, SaveOptions, TierOptions, env
+from .requests import LoadRequest, SaveRequest
 
 __all__ = ["Checkpointer", "list_checkpoints"]
 
@@ -177,7 +177,7 @@ class Checkpointer:
             self._engine.wait()  # stops this save; it is raised once this save is done
         except EarlierSaveFailedError as e:
             earlier = e
-        committed = _from_rank0(self._engine, lambda: is_committed(self._root.storage, self.path_for(step)),
+        committed = _from_rank0(self._engine, lambda: self._root.dir(int(step)).is_committed(),
                                 self.path_for(step))
         if not committed:
             handle = self._persist(step, state, False)
@@ -197,16 +197,17 @@ class Checkpointer:
         mode = self.async_save if async_save is None else async_save
         try:
             if self._local is None:
-                return self._engine.save(self.path_for(step), state, async_save=mode,
-                                         storage_options=self.storage_options, step=int(step), on_commit=on_commit,
-                                         allow_pickle=self.allow_pickle, options=self.save_options,
-                                         framework=self.framework, on_error=self._failed)
+                return self._engine.save(SaveRequest(self.path_for(step), async_save=mode,
+                                                     storage_options=self.storage_options, step=int(step),
+                                                     framework=self.framework, allow_pickle=self.allow_pickle,
+                                                     options=self.save_options, on_commit=on_commit,
+                                                     on_error=self._failed), state)
             # the upload target is this save's option, not the engine's
             options = (self.save_options or self._engine.options).with_(upload_to=self.root,
                                                                         upload_options=self.storage_options)
-            return self._engine.save(self._local.path(int(step)), state, async_save=mode, step=int(step),
-                                     on_commit=on_commit, allow_pickle=self.allow_pickle, options=options,
-                                     framework=self.framework, on_error=self._failed)
+            return self._engine.save(SaveRequest(self._local.path(int(step)), async_save=mode, step=int(step),
+                                                 framework=self.framework, allow_pickle=self.allow_pickle,
+                                                 options=options, on_commit=on_commit, on_error=self._failed), state)
         except SaveFailedError as e:  # this save's own failure, raised at its call (on every rank alike)
             if isinstance(e, EarlierSaveFailedError):
                 raise
@@ -279,10 +280,10 @@ class Checkpointer:
         path, options = self.path_for(step), self.storage_options
         if self._local is not None:  # prefer the local copy when group rank 0 sees it committed
             local = self._local.path(int(step))
-            if _from_rank0(self._engine, lambda: is_committed(self._local.storage, local), local):
+            if _from_rank0(self._engine, lambda: self._local.dir(int(step)).is_committed(), local):
                 path, options = local, None
-        stats = self._engine.load(path, state, strict=strict, storage_options=options, allow_pickle=ap,
-                                  options=self.load_options)
+        stats = self._engine.load(LoadRequest.of(path, strict=strict, storage_options=options, allow_pickle=ap,
+                                                 options=self.load_options), state)
         stats.tier = "storage"
         stats.bytes_by_tier = {"storage": stats.bytes_read + stats.bytes_received}
         self.last_load_stats = stats

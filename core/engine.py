@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from typing import Any, Callable
+from typing import Any
 
 from .dist.comm import Comm
 from .loading.loader import Loader
 from .loading.stats import LoadStats
-from .options import LoadOptions, SaveOptions, env
+from .options import SaveOptions, env
+from .requests import LoadRequest, SaveRequest
 from .saving.request import SaveHandle, SaveStats
 from .saving.saver import Saver
 from .teardown import install as install_teardown_guard
@@ -66,34 +67,22 @@ class Engine:
         self.saver.options = self.saver.options.with_(**options)
         return self.saver.options
 
-    def save(self, path: str, state: dict, *, async_save: bool = False, storage_options: dict | None = None,
-             step: int | None = None, framework: str | None = None, extra: dict | None = None,
-             on_commit: Callable[[], None] | None = None, allow_pickle: bool = False,
-             options: SaveOptions | None = None, on_error: Callable[[BaseException], bool] | None = None) -> SaveHandle:
-        """Save ``state`` to ``path`` (see :func:`unickpt.save`; :meth:`unickpt.saving.saver.Saver.save`).
-        ``on_commit`` runs on group rank 0 right after the commit; ``options`` default to the engine's.
+    def save(self, request: SaveRequest, state: dict) -> SaveHandle:
+        """Save ``state`` as ``request`` says (see :func:`unickpt.save`; :meth:`unickpt.saving.saver.Saver.save`).
+        ``request.on_commit`` runs on group rank 0 right after the commit; ``request.options`` default
+        to the engine's.
 
         First raises EarlierSaveFailedError, on every rank, when earlier saves of this engine failed
         after their call returned (then this save is not started; docs/design.md, "Failures of
-        asynchronous saves"). ``on_error(error) -> bool``: called instead with this save's
+        asynchronous saves"). ``request.on_error(error) -> bool``: called instead with this save's
         EarlierSaveFailedError when a later call finds it failed; True: handled, not raised."""
-        return self.saver.save(str(path), state, async_save=async_save, storage_options=storage_options, step=step,
-                               framework=framework, extra=extra, on_commit=on_commit, allow_pickle=allow_pickle,
-                               options=options, on_error=on_error)
+        return self.saver.save(request, state)
 
-    def load(self, path: str, state: dict, *, strict: bool = True, storage_options: dict | None = None,
-             allow_pickle: bool = False, verify: bool | None = None, redistribute: bool | None = None,
-             options: LoadOptions | None = None, mapping: Any = None) -> LoadStats:
+    def load(self, request: LoadRequest, state: dict) -> LoadStats:
         """Wait for this engine's pending saves (raising their failures as :meth:`wait` does), then load
-        ``path`` into ``state`` (see :func:`unickpt.load`). ``verify`` / ``redistribute``, when given,
-        override ``options``."""
+        ``request.path`` into ``state`` (see :func:`unickpt.load`; :meth:`unickpt.loading.loader.Loader.load`)."""
         self.wait()
-        opts = options or LoadOptions()
-        changes = {k: v for k, v in (("verify", verify), ("redistribute", redistribute)) if v is not None}
-        if changes:
-            opts = opts.with_(**changes)
-        return self.loader.load(str(path), state, strict=strict, storage_options=storage_options,
-                                allow_pickle=allow_pickle, options=opts, mapping=mapping)
+        return self.loader.load(request, state)
 
     def broadcast(self, obj: Any) -> Any:
         """Group rank 0's ``obj`` on every rank (caller's thread; collective). Waits until this engine's

@@ -46,7 +46,7 @@ class StateMismatchError(UnickptError, ValueError):
 class ReplicaMismatchError(StateMismatchError):
     """Ranks hold different values under the name of a tensor saved as replicated (a plain tensor, a
     ``Replicate`` DTensor dim, the same shard box on several ranks), so writing it once would lose all
-    but one rank's copy (:mod:`unickpt.replicas`). Raised on every rank of the save."""
+    but one rank's copy (:mod:`unickpt.saving.replicas`). Raised on every rank of the save."""
 
 
 class IntegrityError(UnickptError, OSError):

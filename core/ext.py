@@ -1,104 +1,70 @@
-"""The interface of unickpt's core for framework plugins (``plugins/<framework>/``, ``unickpt.<framework>``).
+"""What a framework plugin uses of unickpt's engine (``plugins/<framework>/``, ``unickpt.<framework>``).
 
-A plugin imports :mod:`unickpt` (the public names) and this module, nothing else of the core
-(``tests/unit/test_layers.py`` fails otherwise), so the core can change behind it. What it offers:
+A plugin imports :mod:`unickpt` (the public names), :mod:`unickpt.interop` (what it implements: a
+layout, a checkpoint source, a conversion) and this module, nothing else of the core
+(``tests/unit/test_layers.py`` fails otherwise), so the core can change behind it. Fifteen names:
 
 - **engines**: :func:`engine` gives the :class:`EngineHandle` of a process group (save, load, wait,
-  in-flight paths, the group's rank, and collectives on the caller's thread); :func:`new_engine` a
-  private one the plugin closes itself; :data:`THIS_PROCESS` is a group of this process alone, and
-  :func:`load_solo` loads in this process alone without any engine.
-- **checkpoint directories**: :class:`CheckpointRoot` (``step_<N>``, ``latest``, retention), and the
-  rules of one directory: :func:`is_committed`, :func:`is_incomplete_checkpoint`,
-  :func:`writer_alive`, :func:`writer_elsewhere_on_host`, :func:`pid_alive`, :func:`remove_checkpoint_dir`
-  (uncommit first), :data:`METADATA_FILE`,
-  :data:`WRITER_FILE`; :func:`read_metadata`.
-- **storage**: :func:`open_storage` and :class:`StorageBackend`.
-- **state**: :func:`flatten`, :func:`saved_leaves`, :func:`optimizers_untouched`,
-  :func:`sharded_tensor_shard`; plain values as tagged JSON: :func:`encode`, :func:`decode`;
-  dtype names :func:`dtype_to_str`, :func:`str_to_dtype`; chunk geometry :class:`Box`,
-  :class:`FlatRange`, :func:`chunk_pieces`.
-- **DCP**: :func:`is_dcp_checkpoint`, :func:`restore_empty_optim_state`.
+  in-flight paths, the group's rank, and collectives on the caller's thread; :meth:`EngineHandle.existing`
+  the default group's if it exists); :func:`new_engine` a private one the plugin closes itself;
+  :data:`THIS_PROCESS` is a group of this process alone, and :func:`load_solo` loads in this process
+  alone without any engine.
 - **checkpoint tiers** (docs/tiers.md): :func:`memory_tiers` gives a :class:`TiersHandle`: a memory
   save every ``memory_every`` steps with its peer copy, the per-step preemption agreement, and
   recovery from memory before a plugin's own storage load.
+- **checkpoints on storage**: :class:`CheckpointRoot` (``step_<N>``, ``latest``, retention),
+  :class:`CheckpointDir` (one directory: claim, commit, is-committed, metadata, writer, removal),
+  :func:`open_storage` and :class:`StorageBackend`.
+- **state**: :class:`Codec` (plain values as tagged JSON, dtype names) and :class:`StateTools`
+  (flattening, the leaves a save stored, torch state-dict helpers, chunk geometry, DCP directories).
 - **plugin plumbing**: :func:`flag` (a boolean environment switch), :func:`lazy_getattr` (cheap
-  package imports), :class:`Source` (a checkpoint kind for ``unickpt import``).
-- **cross-framework loads** (docs/cross-framework.md): :class:`Layout` (how a framework names training
-  state: subclass it, register it under the entry-point group ``unickpt.layouts``), its
-  :class:`SourceNames` / :class:`TargetNames` and roles :data:`PARAM` / :data:`MASTER`,
-  :func:`source_layout`, :func:`locate_checkpoint`, :func:`registered_layouts`, :class:`StoredParams`
-  (a checkpoint's parameters through rules); the rules' results :class:`Resolved` / :class:`Piece`;
-  :class:`Conversion` (``unickpt export --to`` / ``unickpt import --to``, entry-point group
-  ``unickpt.conversions``) with :class:`ExportPlan`, :class:`ImportPlan`, :func:`materialize`,
-  :func:`box_of`, :func:`dict_resolver`.
+  package imports).
 
-Names are imported lazily (importing this module imports no torch).
+Every name is typed; nothing here takes or returns ``Any``. Importing this module imports no torch
+(the engine, tiers and state helpers are imported on first use). This module sits above the engine
+and below the tools (``tests/unit/test_layers.py``).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+import importlib
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 from ._lazy import lazy_getattr
 
-__all__ = ["engine", "default_engine", "new_engine", "load_solo", "EngineHandle", "THIS_PROCESS", "CheckpointRoot", "LATEST_FILE",
-           "step_name", "is_committed", "is_incomplete_checkpoint", "writer_alive", "writer_elsewhere_on_host",
-           "remove_checkpoint_dir", "pid_alive",
-           "METADATA_FILE", "WRITER_FILE", "read_metadata", "CheckpointMetadata", "open_storage", "StorageBackend",
-           "flatten", "saved_leaves", "optimizers_untouched", "sharded_tensor_shard", "encode", "decode",
-           "dtype_to_str", "str_to_dtype", "Box", "FlatRange", "chunk_pieces", "is_dcp_checkpoint",
-           "restore_empty_optim_state", "flag", "lazy_getattr", "Source", "Layout", "SourceNames", "TargetNames",
-           "PARAM", "MASTER", "source_layout", "locate_checkpoint", "registered_layouts", "StoredParams",
-           "Conversion", "ExportPlan", "ImportPlan", "materialize", "box_of", "dict_resolver", "Resolved", "Piece", "memory_tiers", "TiersHandle", "TierOptions"]
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+
+    from .engine import Engine
+    from .format.metadata import CheckpointMetadata
+    from .geometry import ChunkSpec, Piece
+    from .loading.stats import LoadStats
+    from .options import SaveOptions, TierOptions
+    from .plan.mapping import Mapping
+    from .saving.request import SaveHandle
+    from .state.flat import FlatState
+    from .state.leaves import Shard
+    from .tiers.manager import Tiers
+    from .tiers.signals import PreemptionNotice
+
+__all__ = ["engine", "new_engine", "EngineHandle", "THIS_PROCESS", "load_solo", "memory_tiers", "TiersHandle",
+           "CheckpointRoot", "CheckpointDir", "open_storage", "StorageBackend", "Codec", "StateTools", "flag",
+           "lazy_getattr"]
 
 _EXPORTS = {
     "THIS_PROCESS": "unickpt.dist.comm",
     "CheckpointRoot": "unickpt.lifecycle.root",
-    "LATEST_FILE": "unickpt.lifecycle.root",
-    "step_name": "unickpt.lifecycle.root",
-    "is_committed": "unickpt.lifecycle.directory",
-    "is_incomplete_checkpoint": "unickpt.lifecycle.directory",
-    "writer_alive": "unickpt.lifecycle.directory",
-    "writer_elsewhere_on_host": "unickpt.lifecycle.directory",
-    "pid_alive": "unickpt.lifecycle.directory",
-    "METADATA_FILE": "unickpt.format.layout",
-    "WRITER_FILE": "unickpt.format.layout",
-    "CheckpointMetadata": "unickpt.format.metadata",
+    "CheckpointDir": "unickpt.lifecycle.directory",
     "open_storage": "unickpt.storage",
     "StorageBackend": "unickpt.storage",
-    "flatten": "unickpt.state.flat",
-    "saved_leaves": "unickpt.state.flat",
-    "optimizers_untouched": "unickpt.state.flat",
-    "sharded_tensor_shard": "unickpt.state.flat",
-    "encode": "unickpt.state.codec",
-    "decode": "unickpt.state.codec",
-    "dtype_to_str": "unickpt.format.dtypes",
-    "str_to_dtype": "unickpt.format.dtypes",
-    "Box": "unickpt.geometry",
-    "FlatRange": "unickpt.geometry",
-    "chunk_pieces": "unickpt.geometry",
-    "is_dcp_checkpoint": "unickpt.loading.dcp",
-    "restore_empty_optim_state": "unickpt.loading.dcp",
-    "Source": "unickpt.tools.importers",
-    "Layout": "unickpt.loading.convert",
-    "SourceNames": "unickpt.loading.convert",
-    "TargetNames": "unickpt.loading.convert",
-    "PARAM": "unickpt.loading.convert",
-    "MASTER": "unickpt.loading.convert",
-    "source_layout": "unickpt.loading.convert",
-    "locate_checkpoint": "unickpt.loading.convert",
-    "registered_layouts": "unickpt.loading.convert",
-    "Resolved": "unickpt.plan.mapping",
-    "Piece": "unickpt.plan.mapping",
-    "StoredParams": "unickpt.loading.convert",
-    "Conversion": "unickpt.tools.convert",
-    "ExportPlan": "unickpt.tools.convert",
-    "ImportPlan": "unickpt.tools.convert",
-    "materialize": "unickpt.tools.convert",
-    "box_of": "unickpt.tools.convert",
-    "dict_resolver": "unickpt.tools.convert",
-    "TierOptions": "unickpt.options",
 }
 __getattr__ = lazy_getattr(__name__, _EXPORTS)
+
+_T = TypeVar("_T")
+
+
+def _get(module: str, name: str) -> Callable:
+    return getattr(importlib.import_module(module), name)
 
 
 class EngineHandle:
@@ -108,32 +74,37 @@ class EngineHandle:
         rank, world_size: this process in the group.
     """
 
-    def __init__(self, engine: Any, owned: bool = False):
+    def __init__(self, engine: Engine, owned: bool = False):
         self._engine = engine
         self._owned = owned
         self.rank, self.world_size = engine.rank, engine.world_size
 
     def save(self, path: str, state: dict, *, async_save: bool = False, storage_options: dict | None = None,
              step: int | None = None, framework: str | None = None, extra: dict | None = None,
-             on_commit: Callable[[], None] | None = None, allow_pickle: bool = False, options: Any = None,
-             on_error: Callable[[BaseException], bool] | None = None) -> Any:
+             on_commit: Callable[[], None] | None = None, allow_pickle: bool = False,
+             options: SaveOptions | None = None, on_error: Callable[[BaseException], bool] | None = None
+             ) -> SaveHandle:
         """:func:`unickpt.save` into ``path`` (collective), plus ``framework`` and ``extra`` (recorded in
         ``metadata.json``) and ``on_commit`` (called on group rank 0 right after the commit, on the
         commit thread). Returns the :class:`~unickpt.SaveHandle`. First raises EarlierSaveFailedError
         for earlier saves of the group that failed unreported (``on_error``: see
         :meth:`unickpt.engine.Engine.save`)."""
-        return self._engine.save(path, state, async_save=async_save, storage_options=storage_options, step=step,
-                                 framework=framework, extra=extra, on_commit=on_commit, allow_pickle=allow_pickle,
-                                 options=options, on_error=on_error)
+        from .requests import SaveRequest
+
+        return self._engine.save(SaveRequest(path, async_save=async_save, storage_options=storage_options, step=step,
+                                             framework=framework, extra=extra or {}, allow_pickle=allow_pickle,
+                                             options=options, on_commit=on_commit, on_error=on_error), state)
 
     def load(self, path: str, state: dict, *, strict: bool = True, storage_options: dict | None = None,
              allow_pickle: bool = False, verify: bool | None = None, redistribute: bool | None = None,
-             options: Any = None, mapping: Any = None) -> Any:
+             options: LoadOptions | None = None, mapping: Mapping | str | None = None) -> LoadStats:
         """:func:`unickpt.load` of ``path`` (collective), after this group's pending saves (``mapping``: a
         cross-framework load, see :func:`unickpt.load`). Returns the :class:`~unickpt.LoadStats`."""
-        return self._engine.load(path, state, strict=strict, storage_options=storage_options,
-                                 allow_pickle=allow_pickle, verify=verify, redistribute=redistribute, options=options,
-                                 mapping=mapping)
+        from .requests import LoadRequest
+
+        return self._engine.load(LoadRequest.of(path, strict=strict, storage_options=storage_options,
+                                                allow_pickle=allow_pickle, verify=verify, redistribute=redistribute,
+                                                options=options, mapping=mapping), state)
 
     def wait(self) -> None:
         """Block until every pending save of the group has committed; raise EarlierSaveFailedError naming
@@ -144,22 +115,30 @@ class EngineHandle:
         """True while a save into ``path`` started by this process on this group has not finished."""
         return self._engine.in_flight(str(path))
 
-    def broadcast(self, obj: Any) -> Any:
+    def broadcast(self, obj: _T) -> _T:
         """Group rank 0's ``obj`` on every rank (collective, caller's thread)."""
         return self._engine.broadcast(obj)
 
-    def all_gather(self, obj: Any) -> list[Any]:
+    def all_gather(self, obj: _T) -> list[_T]:
         """Every rank's ``obj``, in group-rank order (collective, caller's thread)."""
         return self._engine.all_gather(obj)
 
     @property
-    def options(self) -> Any:
+    def options(self) -> SaveOptions:
         """The group's default :class:`~unickpt.SaveOptions`."""
         return self._engine.options
 
-    def configure(self, **options: Any) -> Any:
+    def configure(self, **options: object) -> SaveOptions:
         """Change the group's default save options (fields of :class:`~unickpt.SaveOptions`)."""
         return self._engine.configure(**options)
+
+    @staticmethod
+    def existing() -> EngineHandle | None:
+        """The default group's engine if it exists already (creates nothing: no collective)."""
+        from .engine import default_engine
+
+        found = default_engine()
+        return None if found is None else EngineHandle(found)
 
     def close(self) -> None:
         """An engine of :func:`new_engine` only: wait for its saves, then free its threads, staging
@@ -169,7 +148,7 @@ class EngineHandle:
         self._engine.close()
 
 
-def engine(process_group: Any = None) -> EngineHandle:
+def engine(process_group: ProcessGroup | None = None) -> EngineHandle:
     """The :class:`EngineHandle` of ``process_group`` (default: the world; :data:`THIS_PROCESS`: this
     process alone). Created collectively on first use: every rank of the group must call it first on
     the same thread order (never first inside a background thread)."""
@@ -178,7 +157,7 @@ def engine(process_group: Any = None) -> EngineHandle:
     return EngineHandle(get_engine(process_group))
 
 
-def new_engine(process_group: Any = None) -> EngineHandle:
+def new_engine(process_group: ProcessGroup | None = None) -> EngineHandle:
     """A private engine of ``process_group`` (collective when the group has several ranks), not shared
     with :func:`engine` and not waited for at teardown: the plugin waits for its saves and closes it
     (:meth:`EngineHandle.close`), e.g. to give its staging memory back between runs."""
@@ -189,42 +168,16 @@ def new_engine(process_group: Any = None) -> EngineHandle:
 
 def load_solo(path: str, state: dict, *, strict: bool = True, storage_options: dict | None = None,
               allow_pickle: bool = False, verify: bool | None = None, redistribute: bool | None = None,
-              mapping: Any = None) -> Any:
+              mapping: Mapping | str | None = None) -> LoadStats:
     """:func:`unickpt.load` in this process alone (a world of one, whatever process groups exist), with
     no engine (no threads, no staging memory): the reader of a file that one process reads by itself."""
     from .dist.comm import Comm
     from .loading.loader import Loader
-    from .options import LoadOptions
+    from .requests import LoadRequest
 
-    changes = {k: v for k, v in (("verify", verify), ("redistribute", redistribute)) if v is not None}
-    return Loader(Comm.solo()).load(path, state, strict=strict, storage_options=storage_options,
-                                    allow_pickle=allow_pickle, options=LoadOptions(**changes), mapping=mapping)
-
-
-def default_engine() -> EngineHandle | None:
-    """The default group's engine if it exists already (creates nothing: no collective)."""
-    from .engine import default_engine as existing
-
-    found = existing()
-    return None if found is None else EngineHandle(found)
-
-
-def read_metadata(path: str, storage_options: dict | None = None) -> Any:
-    """The :class:`CheckpointMetadata` of the checkpoint ``path``. Raises CheckpointNotFoundError
-    when it is not committed, FormatVersionError / IntegrityError for a bad file."""
-    from .format.metadata import read_metadata as read
-    from .storage import open_storage
-
-    return read(open_storage(path, storage_options), path)
-
-
-def remove_checkpoint_dir(storage: Any, path: str) -> None:
-    """Remove the checkpoint directory ``path``: ``metadata.json`` first (it is no longer committed),
-    then the tree, so a half-removed directory is never loadable. Entries that vanish meanwhile are fine."""
-    from .lifecycle.directory import remove_dir
-
-    remove_dir(storage, path)
-
+    return Loader(Comm.solo()).load(LoadRequest.of(path, strict=strict, storage_options=storage_options,
+                                                   allow_pickle=allow_pickle, verify=verify,
+                                                   redistribute=redistribute, mapping=mapping), state)
 
 class TiersHandle:
     """The checkpoint tiers of a plugin (:func:`memory_tiers`; docs/tiers.md).
@@ -234,22 +187,22 @@ class TiersHandle:
         preempted: True once :meth:`step` saw a preemption notice (the plugin then saves persistently).
     """
 
-    def __init__(self, tiers: Any):
+    def __init__(self, tiers: Tiers):
         self._tiers = tiers
         self.rank, self.world_size = tiers.rank, tiers.world_size
         self.preempted = False
 
     @property
-    def options(self) -> Any:
+    def options(self) -> TierOptions:
         """The validated :class:`~unickpt.TierOptions`."""
         return self._tiers.options
 
     @property
-    def notice(self) -> Any:
+    def notice(self) -> PreemptionNotice:
         """This process's preemption notice (``.received``: the signal's name; ``.notify()``)."""
         return self._tiers.notice
 
-    def step(self, step: int, state: Any, *, allow_pickle: bool = False) -> bool:
+    def step(self, step: int, state: dict | Callable[[], dict], *, allow_pickle: bool = False) -> bool:
         """Call at every training step, on every rank (collective: one small all-reduce). Makes the
         memory save of ``step`` when it is due (``state``: the state dict, or a function returning it,
         called only then), and returns whether any rank has received a preemption notice (then save
@@ -262,8 +215,8 @@ class TiersHandle:
         self.preempted = self.preempted or preempt
         return preempt
 
-    def recover(self, state: Any, *, persisted: int | None = None, step: int | None = None, strict: bool = True,
-                allow_pickle: bool = False) -> Any:
+    def recover(self, state: dict | Callable[[str], dict], *, persisted: int | None = None, step: int | None = None,
+                strict: bool = True, allow_pickle: bool = False) -> tuple[int, dict, LoadStats] | None:
         """Restore from memory (collective): the newest step that every rank has in memory (its node's or
         a peer node's) and that is at least as new as ``persisted`` (the plugin's newest persisted step;
         ``step``: exactly that one). ``state``: the state to load into, or ``state(copy path)`` building
@@ -275,7 +228,7 @@ class TiersHandle:
         """After loading ``step`` from storage: drop this node's memory copies of later steps."""
         self._tiers.forget_newer(step)
 
-    def memory_bytes(self) -> dict:
+    def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank's tiers hold: ``own``, ``peer``, ``staging``."""
         return self._tiers.memory_bytes()
 
@@ -292,7 +245,8 @@ class TiersHandle:
         self._tiers.clear_memory()
 
 
-def memory_tiers(root: str, options: Any = None, *, process_group: Any = None, save_options: Any = None) -> TiersHandle:
+def memory_tiers(root: str, options: TierOptions | None = None, *, process_group: ProcessGroup | None = None,
+                 save_options: SaveOptions | None = None) -> TiersHandle:
     """The checkpoint tiers of the run whose persistent checkpoints are under ``root`` (its memory
     directory is named after it), with ``options`` (a :class:`~unickpt.TierOptions`). Collective over
     ``process_group`` (creates two private gloo groups)."""
@@ -315,22 +269,79 @@ def flag(name: str, default: bool) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off")
 
 
+class Codec:
+    """Plain values as tagged JSON (no pickle unless allowed; ``unickpt.state.codec``) and the format's
+    dtype names (``"bfloat16"``; ``unickpt.format.dtypes``). Static methods only."""
+
+    @staticmethod
+    def encode(value: object, *, allow_pickle: bool = True, key: str = "") -> object:
+        """``value`` as JSON-able data; a class JSON cannot express is pickled only with ``allow_pickle``,
+        else UnsafeObjectError names ``key``."""
+        return _get("unickpt.state.codec", "encode")(value, allow_pickle=allow_pickle, key=key)
+
+    @staticmethod
+    def decode(data: object, *, allow_pickle: bool = False, key: str = "") -> object:
+        """The value :meth:`encode` gave ``data`` for; a pickle is refused (UnsafeObjectError naming
+        ``key``) unless ``allow_pickle``."""
+        return _get("unickpt.state.codec", "decode")(data, allow_pickle=allow_pickle, key=key)
+
+    @staticmethod
+    def dtype_to_str(dtype: torch.dtype) -> str:
+        """``torch.bfloat16`` -> ``"bfloat16"``."""
+        return _get("unickpt.format.dtypes", "dtype_to_str")(dtype)
+
+    @staticmethod
+    def str_to_dtype(name: str) -> torch.dtype:
+        """``"bfloat16"`` -> ``torch.bfloat16``; ValueError for a name that is no torch dtype."""
+        return _get("unickpt.format.dtypes", "str_to_dtype")(name)
+
+
+class StateTools:
+    """Helpers on the state a plugin saves and loads (``unickpt.state.flat``, ``unickpt.geometry``,
+    ``unickpt.loading.dcp``). Static methods only."""
+
+    @staticmethod
+    def flatten(state: dict, *, for_load: bool, allow_pickle: bool = False) -> FlatState:
+        """The flat ``fqn -> leaf`` maps of ``state`` as a save (``for_load=False``) or a load sees them."""
+        return _get("unickpt.state.flat", "flatten")(state, for_load=for_load, allow_pickle=allow_pickle)
+
+    @staticmethod
+    def saved_leaves(skeleton: object) -> tuple[set[str], set[str], dict[str, object]]:
+        """``(tensor fqns, per-rank fqns, {object fqn: encoded value})`` of a checkpoint's state tree
+        (``CheckpointMetadata.state_tree``)."""
+        return _get("unickpt.state.flat", "saved_leaves")(skeleton)
+
+    @staticmethod
+    def optimizers_untouched() -> object:
+        """A context manager in which torch's ``get_state_dict`` leaves an optimizer without state as it is
+        (no zero-gradient ``step()``): a save never changes what it saves."""
+        return _get("unickpt.state.flat", "optimizers_untouched")()
+
+    @staticmethod
+    def sharded_tensor_shard(st: object, fqn: str) -> Shard:
+        """The one local shard of a ``ShardedTensor`` (FSDP1 ``SHARDED_STATE_DICT``) as a box. ValueError
+        for several local shards."""
+        return _get("unickpt.state.flat", "sharded_tensor_shard")(st, fqn)
+
+    @staticmethod
+    def chunk_pieces(spec: ChunkSpec, global_shape: Sequence[int]) -> list[Piece]:
+        """The storage-contiguous pieces of a chunk (a box: one; a flat range: at most ``2 * ndim - 1``)."""
+        return _get("unickpt.geometry", "chunk_pieces")(spec, global_shape)
+
+    @staticmethod
+    def is_dcp_checkpoint(storage: StorageBackend, path: str) -> bool:
+        """Whether ``path`` is a torch DCP checkpoint (``.metadata``) and not a unickpt one."""
+        return _get("unickpt.loading.dcp", "is_dcp_checkpoint")(storage, path)
+
+    @staticmethod
+    def restore_empty_optim_state(value: dict) -> dict:
+        """An optimizer state dict with the empty per-parameter states DCP's flattening dropped put back."""
+        return _get("unickpt.loading.dcp", "restore_empty_optim_state")(value)
+
+
 if TYPE_CHECKING:
     from .dist.comm import THIS_PROCESS
-    from .format.dtypes import dtype_to_str, str_to_dtype
-    from .format.layout import METADATA_FILE, WRITER_FILE
-    from .format.metadata import CheckpointMetadata
-    from .geometry import Box, FlatRange, chunk_pieces
-    from .options import TierOptions
-    from .lifecycle.directory import (is_committed, is_incomplete_checkpoint, pid_alive, writer_alive,
-                                      writer_elsewhere_on_host)
-    from .lifecycle.root import LATEST_FILE, CheckpointRoot, step_name
-    from .loading.dcp import is_dcp_checkpoint, restore_empty_optim_state
-    from .state.codec import decode, encode
-    from .state.flat import flatten, optimizers_untouched, saved_leaves, sharded_tensor_shard
+    from .lifecycle.directory import CheckpointDir
+    from .lifecycle.root import CheckpointRoot
+    from .options import LoadOptions
     from .storage import StorageBackend, open_storage
-    from .loading.convert import (MASTER, PARAM, Layout, SourceNames, StoredParams, TargetNames, locate_checkpoint,
-                                  registered_layouts, source_layout)
-    from .plan.mapping import Piece, Resolved
-    from .tools.convert import Conversion, ExportPlan, ImportPlan, box_of, dict_resolver, materialize
-    from .tools.importers import Source

@@ -145,7 +145,7 @@ class SplitIndex:
         for k in self.split.parts_between(self.shape, box.offsets[d], box.offsets[d] + box.lengths[d]):
             part = self.split.part(self.shape, k)
             inter = intersect(box, part) if part is not None else None
-            if inter is not None:
+            if part is not None and inter is not None:
                 out.append((k, Piece(part, 0), inter))
         return out
 

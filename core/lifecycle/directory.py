@@ -18,6 +18,10 @@ replaced or removed, and how it is removed.
 - A save's target (:func:`prepare_target`): a committed, in-flight or foreign directory is refused;
   a crashed save's leftovers are replaced.
 
+:class:`CheckpointDir` is the one owner of a checkpoint directory: core, tiers, tools and plugins ask
+it (claim, commit, is-committed, remove) rather than looking for ``metadata.json`` themselves; the
+module functions below are its rules, kept as functions for the callers inside ``lifecycle``.
+
 Who calls what: group rank 0's save thread calls :func:`prepare_target` before planning; retention
 (:class:`~unickpt.lifecycle.root.CheckpointRoot`) and the tools call the rest. No collective.
 """
@@ -32,9 +36,11 @@ from typing import Any, Callable
 
 from ..errors import CheckpointExistsError, UnickptError
 from ..format.layout import METADATA_FILE, SUBDIRS, WRITER_FILE, is_own_entry, is_own_file, is_partial_entry
+from ..format.metadata import FORMAT_NAME, CheckpointMetadata, read_metadata
+from ..storage.base import StorageBackend
 
-__all__ = ["WRITER_STALE_S", "is_committed", "is_incomplete_checkpoint", "writer_record", "writer_is_this_process",
-           "writer_alive", "writer_failed", "mark_failed", "leftover_reason", "writer_elsewhere_on_host", "pid_alive",
+__all__ = ["CheckpointDir", "WRITER_STALE_S", "is_committed", "is_incomplete_checkpoint", "writer_record",
+           "writer_is_this_process", "writer_alive", "writer_failed", "mark_failed", "leftover_reason", "writer_elsewhere_on_host", "pid_alive",
            "foreign_entry", "check_removable", "remove_dir", "prepare_target"]
 
 log = logging.getLogger("unickpt")
@@ -255,3 +261,161 @@ def prepare_target(storage: Any, path: str, *, in_flight: Callable[[str], bool],
             except OSError:
                 log.warning("unickpt: could not remove %s after its writer record failed", path, exc_info=True)
             raise
+
+
+class CheckpointDir:
+    """One checkpoint directory ``path`` on ``storage``: the one owner of its commit marker
+    (``metadata.json``) and writer record. Holds no state besides the two; every call asks storage.
+
+    Call order of a save (group rank 0; every other rank only writes its data files)::
+
+        d = CheckpointDir(storage, path)
+        d.prepare(in_flight=...)   # or d.claim() on a directory known to be new: the writer record
+        ...                        # the data, object and index files
+        d.commit(metadata)         # THE commit point: metadata.json, atomically, last
+
+    and of its removal: :meth:`uncommit` (``metadata.json`` goes, so it no longer loads), then the
+    tree (:meth:`remove` does both). Readers ask :meth:`is_committed` / :meth:`read_metadata`;
+    retention and the tools ask :meth:`is_incomplete`, :meth:`writer_alive`, :meth:`leftover_reason`.
+    No call is collective. Storage errors other than "not found" raise OSError (StorageError).
+
+    Args:
+        storage: the backend ``path`` lives on (:func:`~unickpt.storage.open_storage`).
+        path: the checkpoint directory (a local path or a URL of ``storage``).
+    """
+
+    def __init__(self, storage: StorageBackend, path: str) -> None:
+        self.storage, self.path = storage, path
+
+    @classmethod
+    def open(cls, path: str, storage_options: dict | None = None) -> CheckpointDir:
+        """The directory ``path`` on the storage its URL names (:func:`~unickpt.storage.open_storage`)."""
+        from ..storage import open_storage
+
+        return cls(open_storage(path, storage_options), path)
+
+    @staticmethod
+    def pid_alive(pid: int) -> bool:
+        """Whether process ``pid`` of this host is alive (a writer record's or a plugin's own)."""
+        return pid_alive(pid)
+
+    def __repr__(self) -> str:
+        return f"CheckpointDir({self.path!r})"
+
+    @property
+    def metadata_path(self) -> str:
+        """The full path of the commit marker, ``<path>/metadata.json``."""
+        return self.storage.join(self.path, METADATA_FILE)
+
+    @property
+    def writer_path(self) -> str:
+        """The full path of the writer record (:data:`~unickpt.format.layout.WRITER_FILE`)."""
+        return self.storage.join(self.path, WRITER_FILE)
+
+    # -- a save --------------------------------------------------------------------------------------
+    def prepare(self, *, in_flight: Callable[[str], bool], ours_in_flight: Callable[[str], bool] | None = None,
+                writer: bool = True) -> None:
+        """Make the directory ready for a new save, then :meth:`claim` it (``writer``): see
+        :func:`prepare_target` (raises CheckpointExistsError for a committed, in-flight or foreign one)."""
+        prepare_target(self.storage, self.path, in_flight=in_flight, ours_in_flight=ours_in_flight, writer=writer)
+
+    def claim(self) -> None:
+        """Write the writer record naming this process (host, pid, time): the directory is being
+        written. Raises OSError when storage fails."""
+        self.storage.write_small(self.writer_path, writer_record())
+
+    def commit(self, metadata: CheckpointMetadata | bytes) -> None:
+        """Write ``metadata.json`` atomically: the commit point (from here on the checkpoint loads).
+        ``metadata`` is the checkpoint's :class:`~unickpt.format.metadata.CheckpointMetadata` or its
+        serialized bytes (``to_json().encode()``). Storage may report an error after the replace took
+        effect (a lost reply, a failing directory sync): the file is read back, and if it holds exactly
+        these bytes the commit stands (logged as a warning); any other outcome raises the write's
+        error (OSError)."""
+        data = metadata if isinstance(metadata, bytes) else metadata.to_json().encode()
+        try:
+            self.storage.write_atomic(self.metadata_path, data)
+        except Exception as e:
+            try:
+                landed = self.storage.read_bytes(self.metadata_path) == data
+            except Exception:  # noqa: BLE001 - cannot tell: the write's own error stands
+                landed = False
+            if not landed:
+                raise
+            log.warning("unickpt: the storage reported an error writing %s (%r), but it holds this commit: "
+                        "the save is committed", self.metadata_path, e)
+
+    def mark_failed(self) -> bytes | None:
+        """Mark the writer record failed when it names this process: :func:`mark_failed`."""
+        return mark_failed(self.storage, self.path)
+
+    # -- questions -----------------------------------------------------------------------------------
+    def is_committed(self) -> bool:
+        """Whether ``metadata.json`` is present (whoever's format; :meth:`is_unickpt` checks it)."""
+        return is_committed(self.storage, self.path)
+
+    def is_unickpt(self) -> bool:
+        """Whether ``metadata.json`` is present and unickpt's (its ``format``), not another
+        framework's file of that name (megatron-core's). False when it is missing or unreadable."""
+        try:
+            doc = json.loads(self.storage.read_bytes(self.metadata_path))
+        except (OSError, ValueError):
+            return False
+        return isinstance(doc, dict) and doc.get("format") == FORMAT_NAME
+
+    def is_incomplete(self) -> bool:
+        """Whether it holds nothing but what an unfinished save writes: :func:`is_incomplete_checkpoint`."""
+        return is_incomplete_checkpoint(self.storage, self.path)
+
+    def read_metadata(self) -> CheckpointMetadata:
+        """The parsed ``metadata.json``. Raises CheckpointNotFoundError (uncommitted), FormatVersionError,
+        IntegrityError (malformed), StorageError: :func:`~unickpt.format.metadata.read_metadata`."""
+        return read_metadata(self.storage, self.path)
+
+    def metadata_bytes(self) -> bytes:
+        """``metadata.json`` as stored (to commit a copy elsewhere byte for byte). Raises
+        FileNotFoundError when uncommitted, OSError when the read fails."""
+        return self.storage.read_bytes(self.metadata_path)
+
+    def files(self, *, with_marker: bool = True) -> list[str]:
+        """The files of a committed checkpoint as ``/``-separated paths relative to it, sorted, with
+        the commit marker last (``with_marker``; a copy written in this order commits last); the writer
+        record and temporaries (``.tmp-`` in the name) are left out. Raises FileNotFoundError when it is
+        not committed, OSError when a listing fails."""
+        def walk(rel: str) -> list[str]:
+            out = []
+            for name in self.storage.listdir(self.storage.join(self.path, rel) if rel else self.path):
+                sub = f"{rel}/{name}" if rel else name
+                if ".tmp-" in name or sub in (METADATA_FILE, WRITER_FILE):
+                    continue
+                out += walk(sub) if self.storage.isdir(self.storage.join(self.path, sub)) else [sub]
+            return out
+
+        if not self.is_committed():
+            raise FileNotFoundError(f"{self.path}: not a committed checkpoint")
+        return sorted(walk("")) + ([METADATA_FILE] if with_marker else [])
+
+    def writer_alive(self) -> bool:
+        """Whether its writer may still be running: :func:`writer_alive`."""
+        return writer_alive(self.storage, self.path)
+
+    def writer_elsewhere_on_host(self) -> bool:
+        """Whether its writer is another live process of this host: :func:`writer_elsewhere_on_host`."""
+        return writer_elsewhere_on_host(self.storage, self.path)
+
+    def writer_is_this_process(self) -> bool:
+        """Whether its writer record names this process (host and pid)."""
+        return writer_is_this_process(self.storage, self.path)
+
+    def leftover_reason(self, older: bool, in_flight: Callable[[str], bool] | None = None) -> str | None:
+        """Why it is a leftover retention removes, or None: :func:`leftover_reason`."""
+        return leftover_reason(self.storage, self.path, older, in_flight)
+
+    # -- removal -------------------------------------------------------------------------------------
+    def uncommit(self) -> None:
+        """Remove ``metadata.json`` (a missing one is fine): from now on it does not load."""
+        self.storage.rm(self.metadata_path)
+
+    def remove(self) -> None:
+        """:meth:`uncommit`, then remove the tree (entries vanishing meanwhile are fine). Checks nothing:
+        :func:`check_removable` says whether it may be removed."""
+        remove_dir(self.storage, self.path)

@@ -32,7 +32,8 @@ from typing import Any, Callable
 from ..errors import StorageError, UnickptError
 from ..format.layout import METADATA_FILE
 from ..storage import open_storage
-from .directory import check_removable, is_committed, leftover_reason, remove_dir
+from ..storage.base import StorageBackend
+from .directory import CheckpointDir, check_removable, is_committed, leftover_reason, remove_dir
 
 log = logging.getLogger("unickpt")
 
@@ -75,7 +76,12 @@ class CheckpointRoot:
         storage: an already opened backend for ``root`` (else one is opened).
     """
 
-    def __init__(self, root: str | os.PathLike, storage_options: dict | None = None, storage: Any = None):
+    LATEST_FILE = LATEST_FILE
+    """The root's pointer file (``latest``): the name of the newest committed checkpoint."""
+    step_name = staticmethod(step_name)
+
+    def __init__(self, root: str | os.PathLike, storage_options: dict | None = None,
+                 storage: StorageBackend | None = None):
         self.root = os.fspath(root)
         self.storage_options = storage_options
         self.storage = storage if storage is not None else open_storage(self.root, storage_options)
@@ -83,6 +89,16 @@ class CheckpointRoot:
     def path(self, name: str | int) -> str:
         """The path of the entry ``name`` (an int: the step directory ``step_<N>``)."""
         return self.storage.join(self.root, step_name(name) if isinstance(name, int) else name)
+
+    def dir(self, name: str | int) -> CheckpointDir:
+        """The :class:`~unickpt.lifecycle.directory.CheckpointDir` of the entry ``name`` (an int: ``step_<N>``)."""
+        return CheckpointDir(self.storage, self.path(name))
+
+    def writing(self, in_flight: Callable[[str], bool]) -> bool:
+        """Whether a save may still be writing into this root: an uncommitted ``step_<N>`` that
+        ``in_flight(path)`` (a save of this process) or whose writer may be alive. Raises StorageError
+        when the listing fails."""
+        return any(not ok and (in_flight(self.path(s)) or self.dir(s).writer_alive()) for s, ok in self.list())
 
     # -- listing ----------------------------------------------------------------------------------
     def list(self) -> list[tuple[int, bool]]:
@@ -268,8 +284,3 @@ def prune_checkpoints(root: str, keep_last: int, *, dry_run: bool = False, stora
     storage = open_storage(root, storage_options)
     return CheckpointRoot(_resolved(root, storage), storage_options, storage).prune(keep_last, dry_run=dry_run,
                                                                                    skipped=skipped)
-
-
-def update_latest(storage: Any, root: str, storage_options: dict | None = None) -> None:
-    """Deprecated (0.1's ``unickpt.retention.update_latest``): :meth:`CheckpointRoot.update_latest`."""
-    CheckpointRoot(root, storage_options, storage).update_latest()

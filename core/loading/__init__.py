@@ -3,8 +3,3 @@ needs, the zero-redundancy read plan, reads and redistribution, in-place copies)
 says what each rank needs, :mod:`.exchange` runs the reads and transfers, :mod:`.reads` reads,
 verifies and copies bytes, :mod:`.dcp` migrates DCP directories. Submodules are imported by name;
 this package imports nothing."""
-from .._compat import deprecated_getattr as _deprecated
-
-# unickpt 0.1's module ``unickpt.loading`` (deprecated names)
-__getattr__ = _deprecated("unickpt.loading", ("unickpt.loading.loader",),
-                          frozenset({"load_checkpoint", "DEFAULT_READ_BUFFER_BYTES", "DEFAULT_READ_THREADS"}))

@@ -23,8 +23,8 @@ import torch
 
 from ..dist import failures
 from ..errors import IntegrityError, StateMismatchError, UnsafeObjectError
-from ..format.layout import METADATA_FILE
 from ..geometry import Box, intersect
+from ..lifecycle.directory import CheckpointDir
 from ..state.flat import flatten
 from .stats import LoadStats
 from .targets import narrowed, target_views
@@ -36,7 +36,7 @@ DCP_METADATA = ".metadata"
 
 def is_dcp_checkpoint(storage: Any, path: str) -> bool:
     """True for a DCP directory: a ``.metadata`` file and no unickpt ``metadata.json``."""
-    return storage.exists(storage.join(path, DCP_METADATA)) and not storage.exists(storage.join(path, METADATA_FILE))
+    return storage.exists(storage.join(path, DCP_METADATA)) and not CheckpointDir(storage, path).is_committed()
 
 
 def _read(storage: Any, path: str, info: Any) -> bytes:

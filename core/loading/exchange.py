@@ -31,7 +31,8 @@ from ..options import LoadOptions
 from ..plan.read_plan import Segment, batches
 from .reads import copy_overlaps, read_ranges, verify_ranges
 from .stats import LoadStats
-from .targets import ChunkTable, TargetReads
+from ..plan.needs import ChunkTable
+from .targets import TargetReads
 
 __all__ = ["read_and_exchange"]
 

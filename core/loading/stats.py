@@ -20,14 +20,14 @@ class LoadStats:
     bytes_received: int = 0  # over the process group, read by other ranks
     bytes_sent: int = 0
     plan_cache_hit: bool = False
-    redistributed: bool = False  # read once job-wide and redistributed (see loading._should_redistribute)
+    redistributed: bool = False  # read once job-wide and redistributed (see loading.loader._should_redistribute)
     rounds: int = 0  # read/exchange rounds (bounded read buffer)
     peak_buffer_bytes: int = 0
     plan_s: float = 0.0
     read_s: float = 0.0  # reads and exchange, overlapped
     copy_s: float = 0.0
     total_s: float = 0.0
-    conversion: dict | None = None  # a cross-framework load: what moved and what stayed (loading.convert.View)
+    conversion: dict | None = None  # a cross-framework load: what moved and what stayed (interop.view.View)
     conversion_values: dict | None = None  # the checkpoint's canonical plain values (step, scheduler, ...)
     # the checkpoint tiers (Checkpointer.load with tiers; unickpt.tiers): the tier this rank's state
     # came from ("memory": this node's shared memory, "peer": another node's, sent over the group,

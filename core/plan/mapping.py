@@ -2,7 +2,7 @@
 
 A rule says how a *target* tensor is made of *source* tensors, in parameter-name space (the names of
 ``model.named_parameters()`` without wrapper prefixes); the loader applies it to a parameter's weights
-and to every optimizer moment of it alike (:mod:`unickpt.loading.convert`). Four kinds:
+and to every optimizer moment of it alike (:mod:`unickpt.interop.view`). Four kinds:
 
 - :class:`Rename` ``(target, source)``: the target is the source;
 - :class:`Split` ``(target, source, dim, sections, index)``: part ``index`` of the source cut along
@@ -260,7 +260,7 @@ class Mapping:
     Args:
         rules: :class:`Rule` objects, tried in order: the first whose target matches a name and whose
             sources all resolve wins; a name no rule serves is looked up in the checkpoint as it is.
-        target: the :class:`~unickpt.ext.Layout` of the state being loaded into (None: the generic
+        target: the :class:`~unickpt.interop.Layout` of the state being loaded into (None: the generic
             layout of a state holding a module and its optimizer; plugins pass their own).
 
     ``unickpt.load(..., mapping="auto")`` is ``Mapping()``: wrapper prefixes normalised, nothing renamed.

@@ -12,19 +12,27 @@ Pure functions: deterministic, so every rank computes the same plan from the sam
 
 Replicas (HSDP, data parallel) share one needs dict; they are planned as one group, so the plan
 costs O(distinct needs), not O(ranks x chunks). Chunks whose needs every rank can compute (a load
-into an even split of the group, :func:`unickpt.loading.targets.split_needs`) are planned chunk by
+into an even split of the group, :func:`unickpt.plan.needs.split_needs`) are planned chunk by
 chunk by the ranks that need them (:func:`chunk_segments`), with no job-wide list at all.
+
+The load's side of it, also pure: what a rank sends (:func:`needs_doc`, compact JSON; ranks with equal
+:func:`needs_signature` send one), and its part of the plan from every rank's docs (:func:`plan_reads`).
 """
 from __future__ import annotations
 
+import bisect
+import hashlib
+import json
 from dataclasses import dataclass
+from typing import Iterable
 
 from .._util import gc_paused
+from ..geometry import EvenSplit
 from .balance import LeastLoaded
+from .needs import ChunkTable, RankNeeds, Ranges, split_needs
 
-__all__ = ["Segment", "make_read_plan", "chunk_segments", "segments_of", "batches"]
-
-Ranges = list[tuple[int, int]]  # (start, length) in bytes, relative to the chunk's first byte
+__all__ = ["Segment", "make_read_plan", "chunk_segments", "segments_of", "batches", "needs_doc", "needs_signature",
+           "plan_reads"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +49,7 @@ class Segment:
 
 def make_read_plan(needs: list[dict[int, Ranges]]) -> list[Segment]:
     """Segments for all chunks, ordered by (chunk id, start). ``needs[rank][chunk_id]`` are sorted,
-    non-overlapping ranges (as :func:`unickpt.loading.targets.merge_ranges` returns); ranks whose
+    non-overlapping ranges (as :func:`unickpt.plan.needs.merge_byte_ranges` returns); ranks whose
     needs are one dict object (replicas) are planned as one group, sharing one ``needers`` tuple.
     Cost: O(n log n) in the ranges of the distinct dicts, plus, per cut position, the groups needing it."""
     with gc_paused():
@@ -68,7 +76,7 @@ def _pieces(cid: int, holders: dict[int, Ranges], ranks: dict[int, tuple[int, ..
             k = keys[id(rs)] = tuple(rs)
         same.setdefault(k, []).append(g)
 
-    def needers(gs: frozenset | tuple) -> tuple[int, ...]:
+    def needers(gs: Iterable[int]) -> tuple[int, ...]:
         key = frozenset(gs)
         got = union.get(key)
         if got is None:
@@ -76,9 +84,9 @@ def _pieces(cid: int, holders: dict[int, Ranges], ranks: dict[int, tuple[int, ..
         return got
 
     if len(same) == 1:  # one needer, or replicas needing the same ranges: no cuts between them
-        (rs, gs), = same.items()
+        (shared, gs), = same.items()
         who = needers(gs)
-        return [(cid, a, n, who) for a, n in rs if n > 0]
+        return [(cid, a, n, who) for a, n in shared if n > 0]
     # sweep over the range boundaries, keeping the set of groups whose ranges cover the position:
     # O(boundaries x needers per position), not O(boundaries x holders)
     events: dict[int, list[tuple[int, int]]] = {}
@@ -189,3 +197,97 @@ def batches(segments: list[Segment], chunk_bytes: dict[int, int], budget_bytes: 
             current_chunk = seg.chunk_id
         rounds[-1].append(seg)
     return rounds
+
+
+def needs_doc(need: RankNeeds, table: ChunkTable, verify: bool) -> bytes:
+    """What a rank sends to the read plan: its listed needs ``{"n": [[chunk id, ranges]]}``, its
+    split targets ``{"s": {stored fqn: [dim, parts]}}`` (their needs are implied) and whether its
+    ranges are widened to checksum blocks (``"v"``), as compact JSON."""
+    listed = [(cid, rs) for cid, rs in need.ranges.items() if table.locate(cid)[0] not in need.splits]
+    return json.dumps({"n": listed, "s": {f: [sp.dim, sp.parts] for f, sp in need.splits.items()}, "v": verify},
+                      separators=(",", ":")).encode()
+
+
+def plan_reads(me: int, table: ChunkTable, firsts: list[int], docs: dict[int, dict],
+               my_ranges: dict[int, Ranges]) -> list[Segment]:
+    """Rank ``me``'s part of the zero-redundancy read plan (the segments it reads or needs, sorted by
+    chunk id and start), from every rank's needs: rank ``r``'s are ``docs[firsts[r]]`` (a
+    :func:`needs_doc`; ranks sharing a doc are planned as one group). A split every rank with a
+    non-empty part declared (:func:`_agreed_splits`) is planned chunk by chunk for the chunks ``me``
+    needs (``my_ranges``), O(its chunks x their needers); a split only some ranks declared is listed
+    for them (O(ranks) for that tensor). Deterministic: every rank derives consistent parts of one
+    plan. Costs O(listed needs of the distinct docs + this rank's chunks of split targets)."""
+    splits = _agreed_splits(table, docs, firsts)
+    decoded = {f: {int(cid): list(map(tuple, rs)) for cid, rs in doc["n"]} for f, doc in docs.items()}
+    per_rank: list[dict] = []
+    for r, f in enumerate(firsts):  # listed needs, plus the needs of splits not every rank declared
+        extra = [(fqn, sp) for fqn, sp in docs[f]["s"].items() if fqn not in splits]
+        if not extra:
+            per_rank.append(decoded[f])  # ranks sharing a doc share one dict: planned as one group
+            continue
+        own = dict(decoded[f])
+        for fqn, (dim, parts) in extra:
+            split = EvenSplit(int(dim), int(parts))
+            for k in _chunks_of(table, fqn, split, r):
+                cid = table.base[fqn] + k
+                own[cid] = split_needs(table, fqn, cid, split, docs[f]["v"], only=r)[r]
+        per_rank.append(own)
+    plan = segments_of(me, make_read_plan(per_rank))
+    if splits:
+        verify = docs[firsts[me]]["v"]  # the same on every rank (or nothing is agreed)
+        for cid in sorted(my_ranges):  # the chunks of split targets this rank needs, planned chunk by chunk
+            fqn = table.locate(cid)[0]
+            agreed = splits.get(fqn)
+            if agreed is not None:
+                plan += segments_of(me, chunk_segments(cid, split_needs(table, fqn, cid, agreed, verify)))
+        plan.sort(key=lambda s: (s.chunk_id, s.start))
+    return plan
+
+
+def _agreed_splits(table: ChunkTable, docs: dict[int, dict], firsts: list[int]) -> dict[str, EvenSplit]:
+    """The stored fqns whose targets are their ranks' parts of one split of the group: every rank
+    whose part is not empty declared it (the others need nothing of it) and no rank lists needs of
+    it. Costs O(docs x their entries)."""
+    members: dict[int, list[int]] = {}
+    for r, f in enumerate(firsts):
+        members.setdefault(f, []).append(r)
+    declared: dict[str, list[tuple[EvenSplit, int]]] = {}
+    listed: set[str] = set()
+    for f, doc in docs.items():
+        for fqn, (d, p) in doc["s"].items():
+            declared.setdefault(fqn, []).append((EvenSplit(int(d), int(p)), f))
+        listed.update(table.locate(int(cid))[0] for cid, _ in doc["n"])
+    out: dict[str, EvenSplit] = {}
+    if len({bool(doc["v"]) for doc in docs.values()}) > 1:  # ranks widen differently: list every need
+        return out
+    for fqn, decl in declared.items():
+        split = decl[0][0]
+        if fqn in listed or split.parts != len(firsts) or any(s != split for s, _ in decl):
+            continue
+        m = split.nonempty(table.meta.tensors[fqn].shape)
+        if sum(bisect.bisect_left(members[f], m) for _, f in decl) == m:
+            out[fqn] = split
+    return out
+
+
+def _chunk_count(table: ChunkTable, fqn: str) -> int:
+    """How many chunks the stored tensor ``fqn`` has (a split one: its parts, empty ones included)."""
+    t = table.meta.tensors[fqn]
+    return t.split.parts if t.split is not None else len(t.explicit)
+
+
+def _chunks_of(table: ChunkTable, fqn: str, split: EvenSplit, rank: int) -> list[int]:
+    """Numbers of ``fqn``'s stored chunks that part ``rank`` of ``split`` overlaps."""
+    box = split.part(table.meta.tensors[fqn].shape, rank)
+    return [] if box is None else sorted({k for k, _, _ in table.index(fqn).overlapping(box)})
+
+
+def needs_signature(need: RankNeeds, table: ChunkTable, verify: bool) -> str:
+    """Digest of this rank's needs and the chunks involved (ids and sizes, not their files or
+    checksums), so that later checkpoints of the same layout reuse the read plan. A target that is
+    its rank's part of a split counts as the rule alone: every rank of an FSDP2 load has one digest."""
+    items = [(cid, table.byte_length(cid), tuple(rs)) for cid, rs in sorted(need.ranges.items())
+             if table.locate(cid)[0] not in need.splits]
+    splits = [(f, _chunk_count(table, f), table.meta.tensors[f].split, s.dim, s.parts)
+              for f, s in sorted(need.splits.items())]
+    return hashlib.blake2b(repr((items, splits, verify)).encode(), digest_size=16).hexdigest()

@@ -17,7 +17,7 @@ heap: the plan is near-linear in the entries of the distinct plans (docs/scale.m
 :func:`make_save_plan` turns the global plan into what each rank executes (:class:`SavePlan`): its
 chunks in file order (data files ``data/<rank>_<n>.bin`` of at most ``segment_bytes``, chunks packed
 back to back as format v1 stores them), where each chunk's bytes come from (:class:`LocalFill`,
-or :class:`RecvFill` for merged flat ranges, see :mod:`unickpt.merging`), and the matching sends.
+or :class:`RecvFill` for merged flat ranges, see :mod:`unickpt.plan.merge`), and the matching sends.
 The engine caches it per layout.
 """
 from __future__ import annotations
@@ -202,7 +202,7 @@ class GlobalPlan:
     chunks: list[PlannedChunk]
     aliases: dict[str, str]
     replicas: list[tuple[str, ChunkSpec, tuple[int, ...]]] = field(default_factory=list)  # (fqn, spec, holders)
-    # of every chunk held by several ranks, in the same order on every rank (unickpt.replicas checks them)
+    # of every chunk held by several ranks, in the same order on every rank (unickpt.saving.replicas checks them)
     splits: dict[str, EvenSplit] = field(default_factory=dict)
 
     def writes_for(self, rank: int) -> list[PlannedChunk]:
@@ -507,7 +507,7 @@ def make_save_plan(plans: list[LocalPlan], *, flat_ranges: str = "store", segmen
 
     Args:
         flat_ranges: ``"store"`` keeps flat-range chunks as they are; ``"merge"`` turns tensors
-            stored entirely as flat ranges into regular boxes (:func:`unickpt.merging.merge_ranges`).
+            stored entirely as flat ranges into regular boxes (:func:`unickpt.plan.merge.merge_ranges`).
         segment_bytes: a rank starts a new data file when the current one would grow past this
             (a larger chunk gets a file of its own).
         partial: the plans are a part of a job-wide state (a memory-tier copy of one rank's shards,

@@ -39,12 +39,12 @@ from ..dist.failures import lost_contact
 from ..errors import SaveFailedError
 from ..format.index import IndexRecord, encode_index
 from ..format.integrity import CHECKSUM_BLOCK_BYTES, MAX_BLOCKS_PER_CHUNK
-from ..format.layout import INDEX_DIR, METADATA_FILE, WRITER_FILE, data_file, index_file, objects_file
+from ..format.layout import INDEX_DIR, METADATA_FILE, data_file, index_file, objects_file
 from ..format.metadata import CheckpointMetadata, ChunkMeta, TensorMeta, spec_order
-from ..lifecycle.directory import is_committed, is_incomplete_checkpoint, mark_failed
+from ..lifecycle.directory import CheckpointDir
 from ..storage import open_storage
-from .pipeline import DrainResult
-from .request import SaveRequest, SaveStats
+from .run import DrainResult
+from .request import SaveStats, SaveTask
 from .snapshot import Snapshot, format_exc
 from .upload import Uploader, format_upload_error, remote_dir
 
@@ -118,7 +118,7 @@ class Committer:
         # busy(path, others): more than ``others`` saves into path are in flight in this process (set by the saver)
         self.busy: Callable[[str, int], bool] = lambda path, others=0: False
 
-    def commit(self, req: SaveRequest, plan: Any, snap: Snapshot, drained: DrainResult, error: str | None,
+    def commit(self, req: SaveTask, plan: Any, snap: Snapshot, drained: DrainResult, error: str | None,
                stats: SaveStats) -> None:
         """Commit thread: steps 1-4 of the module docstring. ``error``: this rank's first stage failure.
         Returns once committed on every rank; raises SaveFailedError otherwise."""
@@ -163,7 +163,7 @@ class Committer:
                 data = meta.to_json().encode()
                 if req.options.upload_to is not None:
                     Uploader.commit(req, data)
-                _write_commit_marker(req.storage, req.storage.join(req.path, METADATA_FILE), data)
+                CheckpointDir(req.storage, req.path).commit(data)
             except BaseException as e:
                 status = "commit stage: " + format_exc(e)
             else:
@@ -200,7 +200,7 @@ class Committer:
         stats.collectives_commit += 2
         return self.comm.broadcast(status, self.comm.background_group)
 
-    def _write_per_rank(self, req: SaveRequest, snap: Snapshot, stats: SaveStats) -> str | None:
+    def _write_per_rank(self, req: SaveTask, snap: Snapshot, stats: SaveStats) -> str | None:
         if snap.per_rank_blob is None:
             return None
         rel = objects_file(self.rank)
@@ -215,7 +215,7 @@ class Committer:
                 raise RuntimeError(format_upload_error(e)) from e
         return rel
 
-    def _write_index(self, req: SaveRequest, plan: Any, mine: list, digests: list, stats: SaveStats) -> None:
+    def _write_index(self, req: SaveTask, plan: Any, mine: list, digests: list, stats: SaveStats) -> None:
         """Format v2: this rank's index file, a record per split tensor (its part: file, offset,
         checksums; an empty record where its part is empty), durable before the commit."""
         records = {c.slot: IndexRecord(c.segment, c.offset, c.nbytes, d[0], tuple(d[1]), d[2])
@@ -231,7 +231,7 @@ class Committer:
             except BaseException as e:
                 raise RuntimeError(format_upload_error(e)) from e
 
-    def _check_lengths(self, req: SaveRequest, plan: Any) -> None:
+    def _check_lengths(self, req: SaveTask, plan: Any) -> None:
         """Each of this rank's data files holds the bytes the plan gives it (a disk that accepted a
         write and kept less, a file cut meanwhile); raises OSError(EIO) naming the file, the bytes
         written and the bytes it holds. One ``size`` per file."""
@@ -239,14 +239,14 @@ class Committer:
         for rel, nbytes in plan.segments[self.rank]:
             _check_size(storage, storage.join(req.path, rel), nbytes)
 
-    def _failed_attempt(self, req: SaveRequest, now: bool) -> None:
+    def _failed_attempt(self, req: SaveTask, now: bool) -> None:
         """Group rank 0, the save into ``req.path`` failed: mark its writer record and remove its
         directory (``now``: every rank is past its writes, having joined the commit's gather), or,
         where that is not known or the removal fails, after the next successful commit."""
         if self.rank != 0:
             return
         try:
-            record = mark_failed(req.storage, req.path)
+            record = CheckpointDir(req.storage, req.path).mark_failed()
         except Exception:  # best effort: the directory is left for retention or `unickpt prune`
             log.warning("unickpt: could not mark %s as failed", req.path, exc_info=True)
             return
@@ -270,14 +270,14 @@ class Committer:
                 continue
             try:
                 storage = open_storage(path, storage_options)  # a new handle: not the failed save's
-                if is_committed(storage, path) or not is_incomplete_checkpoint(storage, path) \
-                        or storage.read_bytes(storage.join(path, WRITER_FILE)) != record:
+                ckpt = CheckpointDir(storage, path)  # incomplete: uncommitted, nothing but a save's files
+                if not ckpt.is_incomplete() or storage.read_bytes(ckpt.writer_path) != record:
                     continue  # taken over by another save, or holding other files: not ours to remove
                 targets = [(storage, path)]
                 if options.upload_to is not None:
                     targets.insert(0, remote_dir(options, path))
                 for store, target in targets:  # the remote copy first: the local one's record guards both
-                    if not is_committed(store, target) and is_incomplete_checkpoint(store, target):
+                    if CheckpointDir(store, target).is_incomplete():
                         store.rm(target)
                 log.info("unickpt: removed %s, left by a failed save", path)
             except FileNotFoundError:
@@ -286,7 +286,7 @@ class Committer:
                 log.warning("unickpt: could not remove %s, left by a failed save: %s", path, e)
                 self._failed.append(entry)
 
-    def _after_commit(self, req: SaveRequest, stats: SaveStats, t_commit: float) -> None:
+    def _after_commit(self, req: SaveTask, stats: SaveStats, t_commit: float) -> None:
         """Group rank 0, right after ``metadata.json`` landed: stats, ``on_commit``, the removal of
         earlier failed saves' directories, the log line."""
         stats.committed = True
@@ -319,21 +319,3 @@ def _write_checked(storage: Any, path: str, blob: bytes) -> int:
     n = storage.write_file(path, [blob])
     _check_size(storage, path, len(blob))
     return n
-
-
-def _write_commit_marker(storage: Any, path: str, data: bytes) -> None:
-    """Write ``metadata.json`` (the commit) atomically. Storage may report an error after the replace
-    took effect (a network file system's reply lost, a failing directory sync): then the file is read
-    back, and if it holds exactly ``data`` the save is committed (logged as a warning), since a load
-    and a listing already see it; any other outcome raises the write's error."""
-    try:
-        storage.write_atomic(path, data)
-    except Exception as e:
-        try:
-            landed = storage.read_bytes(path) == data
-        except Exception:  # noqa: BLE001 - cannot tell: the write's own error stands
-            landed = False
-        if not landed:
-            raise
-        log.warning("unickpt: the storage reported an error writing %s (%r), but it holds this save's commit: "
-                    "the save is committed", path, e)

@@ -32,7 +32,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 from ..format.integrity import ChunkHasher
 from ..storage import open_storage
@@ -58,7 +58,7 @@ class JobSpec:
     pool: int
     capacity: int
     segments: list[tuple[str, int, int]]
-    chunks: list[tuple[int, int]]
+    chunks: list[tuple[int, int, int]]  # (stream position, bytes, checksum block bytes or 0)
     direct: bool = False
     write_block: int = 16 << 20
     storage_options: dict | None = None
@@ -75,6 +75,24 @@ class _JobState:
     hashers: dict = field(default_factory=dict)
     timings: dict = field(default_factory=lambda: {"checksum_s": 0.0, "merge_wait_s": 0.0, "write_s": 0.0,
                                                    "bytes_written": 0})
+
+
+class _Staged(NamedTuple):
+    """The hasher's work item: stream bytes ``[start, end)`` of chunk ``chunk`` of job ``job`` are
+    staged once ``wait()`` (if any) returns."""
+
+    job: int
+    start: int
+    end: int
+    chunk: int
+    wait: Callable[[], object] | None
+
+
+class _End(NamedTuple):
+    """The hasher's last item of job ``job`` (``error``: a stage's failure text, or None)."""
+
+    job: int
+    error: str | None
 
 
 def _set_nice(nice: int) -> None:
@@ -123,11 +141,11 @@ class HashWriter:
 
     def item(self, job: int, start: int, end: int, chunk: int, wait: Callable[[], None] | None = None) -> None:
         """Stream bytes ``[start, end)`` of chunk ``chunk`` are staged (once ``wait()`` returns)."""
-        self._hash_q.put(("item", job, start, end, chunk, wait))
+        self._hash_q.put(_Staged(job, start, end, chunk, wait))
 
     def end_job(self, job: int, error: str | None = None) -> None:
         """No more items for ``job``; ``error`` (a stage's failure text) fails it."""
-        self._hash_q.put(("end", job, error))
+        self._hash_q.put(_End(job, error))
 
     def close(self) -> None:
         self._hash_q.put(None)
@@ -152,17 +170,17 @@ class HashWriter:
             msg = self._hash_q.get()
             if msg is None:
                 return
-            state = self._jobs[msg[1]]
-            if msg[0] == "end":
-                if msg[2] is not None:
-                    self._fail(state, msg[2])
+            state = self._jobs[msg.job]
+            if isinstance(msg, _End):
+                if msg.error is not None:
+                    self._fail(state, msg.error)
                 elif state.error is None and state.hashers:
                     self._fail(state, f"checksum stage: chunk(s) {sorted(state.hashers)} were not fully staged")
                 with state.cond:
                     state.items_done = True
                     state.cond.notify_all()
                 continue
-            _, _, start, end, c, wait = msg
+            _, start, end, c, wait = msg
             try:
                 if wait is not None:
                     t0 = time.perf_counter()

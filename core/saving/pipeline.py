@@ -18,7 +18,11 @@ back into the engine. Threads (per engine; saves are served in the order they we
    snapshot is complete or the save thread has to wait for ring space.
 4. **uploader** (optional, ``upload_to``: :class:`~unickpt.saving.upload.Uploader`): copies each data
    file, once it is written and fsynced, to the remote directory, while the next file is written.
-5. the commit thread (:mod:`.commit`) waits for :meth:`SavePipeline.wait_drained`.
+5. the commit thread (:mod:`.commit`) waits for :meth:`SavePipeline.wait_drained`, which merges the
+   drain's and the transfers' parts of the run into the save's stats, once.
+
+State: :meth:`SavePipeline.begin` sets a save up as an immutable :class:`~.run.Run`; each thread
+writes only its own part of it (:mod:`.run`), so stages hand on results, not a shared record.
 
 Failures: the first failure of any stage (with the stage's name) fails the save
 (:meth:`~unickpt.saving.request.SaveProgress.fail`); staging stops, still completes the merge transfers
@@ -30,9 +34,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-import traceback
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Callable
 
 import torch
 
@@ -40,20 +43,17 @@ from ..dist.p2p import P2P
 from ..format.integrity import CHECKSUM_BLOCK_BYTES, block_size
 from ..geometry import Box
 from ..options import SaveOptions
-from ..plan.save_plan import RecvFill, SavePlan
+from ..plan.save_plan import RecvFill, SavePlan, SendOp
 from ..plan.stream import stream_layout
 from .drain import JobSpec, ThreadDrain
-from .writer_process import ProcessDrain
-from .request import SaveProgress, SaveRequest, SaveStats
+from .request import SaveProgress, SaveStats, SaveTask
+from .run import DrainPart, DrainResult, Run, RunEvents, StagedPiece, StagingGate, failure_text
 from .staging import CudaStager, PoolAborted, StagingPool, byte_view, copy_bytes, ring_capacity
 from .transfers import MergeTransfers
 from .upload import Uploader
+from .writer_process import ProcessDrain
 
-__all__ = ["SavePipeline", "DrainResult", "take_spare"]
-
-
-def _format(stage: str, e: BaseException) -> str:
-    return f"{stage}: " + "".join(traceback.format_exception(type(e), e, e.__traceback__))
+__all__ = ["SavePipeline", "take_spare"]
 
 
 def take_spare(spare_dir: str, target: str) -> bool:
@@ -84,46 +84,6 @@ def _narrow(t: torch.Tensor, view: Box | None) -> torch.Tensor:
     return t
 
 
-@dataclass
-class DrainResult:
-    """What the drain of one save produced on this rank: per chunk of ``plan.writes[rank]``,
-    ``(checksum, block checksums, block bytes)`` (None where a chunk was not written), and whether
-    the drain ran at all."""
-
-    digests: list
-    started: bool
-
-
-class _Run:
-    """One save's staging and drain on this rank (private to the pipeline)."""
-
-    def __init__(self, request: SaveRequest, progress: SaveProgress, stats: SaveStats, plan: SavePlan):
-        self.request, self.progress, self.stats, self.plan = request, progress, stats, plan
-        self.seq = request.seq
-        self.mine = plan.writes[request.rank]
-        self.leaves: dict[str, torch.Tensor] = {}
-        self.guarded: frozenset = frozenset()
-        self.cuda_ready: dict = {}
-        self.cuda_begun = False
-        self.pool: StagingPool | None = None
-        self.backend: Any = None  # the drain, once the run is registered with it
-        self.stream_pos: list[int] = []  # stream position of each of this rank's chunks
-        self.digests: list = []
-        self.timings = {"checksum_s": 0.0, "merge_wait_s": 0.0, "write_s": 0.0, "upload_s": 0.0}
-        self.lock = threading.Lock()
-        self.gate_open = False
-        self.held: list = []
-        self.posted_sends: set = set()  # merge transfers posted (:mod:`.transfers`), by index
-        self.posted_recvs: set = set()
-        self.send_works: list = []
-        self.backend_done = threading.Event()
-        self.uploads_done = threading.Event()
-        self.in_place = False  # the ring is the data file (SaveOptions.in_place)
-
-    def fail(self, text: str) -> None:
-        self.progress.fail(text)
-
-
 class SavePipeline:
     """The staging rings, drain and upload of one engine (see the module docstring).
 
@@ -142,8 +102,8 @@ class SavePipeline:
         self.uploader = uploader
         self.pools = [StagingPool(0), StagingPool(1)]
         self._pools_lock = threading.Lock()
-        self._runs: dict[int, _Run] = {}  # begun, not yet waited for by the commit thread
-        self._active: dict[int, _Run] = {}  # registered with the drain, not yet done
+        self._runs: dict[int, Run] = {}  # begun, not yet waited for by the commit thread
+        self.events = RunEvents(rank, uploader)
         self._backend: ThreadDrain | ProcessDrain | None = None
         self._backend_key: tuple | None = None
         self._cuda: CudaStager | None = None
@@ -157,12 +117,12 @@ class SavePipeline:
         """The drain for these options (started on first use; swapped only while no save drains)."""
         kind = options.writer if local else "thread"
         key = (kind, options.background_nice)
-        busy = bool(self._active)
+        busy = bool(self.events.active)
         if self._backend is not None and (self._backend_key == key or busy) and self._backend.alive:
             return self._backend
         if self._backend is not None:
             self._backend.close()
-        self._backend = (ProcessDrain if kind == "process" else ThreadDrain)(self, options.background_nice)
+        self._backend = (ProcessDrain if kind == "process" else ThreadDrain)(self.events, options.background_nice)
         self._backend_key = key
         return self._backend
 
@@ -172,47 +132,52 @@ class SavePipeline:
         return self._backend.pid if isinstance(self._backend, ProcessDrain) else None
 
     # -- the save thread -----------------------------------------------------------------------------
-    def begin(self, request: SaveRequest, progress: SaveProgress, stats: SaveStats, plan: SavePlan,
+    def begin(self, task: SaveTask, progress: SaveProgress, stats: SaveStats, plan: SavePlan,
               leaf: Callable[[str], torch.Tensor], guarded: frozenset = frozenset(),
-              cuda_ready: dict | None = None) -> _Run:
+              cuda_ready: dict | None = None) -> Run:
         """Save thread, once planned: a staging ring (waiting if both are draining), the leaves this
         rank reads (``leaf(fqn)``), the drain registration. Never raises: a failure fails the save
         (the run then has no drain; :meth:`stage` still settles its merge transfers)."""
-        run = _Run(request, progress, stats, plan)
-        run.guarded, run.cuda_ready = guarded, dict(cuda_ready or {})
-        self._runs[run.seq] = run
-        opts = request.options
+        mine = plan.writes[self.rank]
+        run = Run(task, progress, stats, plan, mine, guarded=guarded, cuda_ready=dict(cuda_ready or {}))
+        pool = None
         try:
-            needed = {c.fqn for c in run.mine} | {s.fqn for s in plan.sends[self.rank]}
-            run.leaves = {fqn: leaf(fqn) for fqn in needed}
+            needed = {c.fqn for c in mine} | {s.fqn for s in plan.sends[self.rank]}
+            run = replace(run, leaves={fqn: leaf(fqn) for fqn in needed})
+            opts, storage = task.options, task.storage
             pin = any(t.is_cuda for t in run.leaves.values()) and torch.cuda.is_available()
-            backend = self.drain_for(opts, request.storage.is_local)
-            run.pool, stats.pool_wait_s = self._acquire_pool()
-            progress.on_failure(run.pool.abort)
-            _, stream_len = stream_layout([n for _, n in plan.segments[self.rank]])
-            if run.mine:
-                request.storage.makedirs(request.storage.join(request.path, "data"))
+            backend = self.drain_for(opts, storage.is_local)
+            pool, stats.pool_wait_s = self._acquire_pool()
+            progress.on_failure(pool.abort)
             segments = plan.segments[self.rank]
-            run.in_place = (opts.in_place is not None and backend.kind == "thread" and request.storage.is_local
-                            and len(segments) == 1)
-            if run.in_place:  # the ring is the data file: staging writes the checkpoint
-                target = request.storage.strip(request.storage.join(request.path, segments[0][0]))
-                take_spare(opts.in_place, target)
-                run.pool.reserve_file(target, stream_len)
+            bases, stream_len = stream_layout([n for _, n in segments])
+            if mine:
+                storage.makedirs(storage.join(task.path, "data"))
+            in_place = (opts.in_place is not None and backend.kind == "thread" and storage.is_local
+                        and len(segments) == 1)
+            if in_place:  # the ring is the data file: staging writes the checkpoint
+                target = storage.strip(storage.join(task.path, segments[0][0]))
+                take_spare(str(opts.in_place), target)
+                pool.reserve_file(target, stream_len)
             else:
                 cap = self.ring_bytes(opts)
-                run.pool.reserve(min(stream_len, cap), pin=pin, shared=backend.kind == "process", limit=cap)
-                run.pool.prefault(stream_len)  # a fresh ring (a first save): its pages faulted in beside the copies
-            run.pool.begin()
-            stats.pool_capacity, stats.pool_allocations, stats.pool_index = (run.pool.capacity_bytes,
-                                                                             run.pool.allocations, run.pool.index)
-            stats.streamed = stream_len > run.pool.capacity_bytes
-            self._start(run, backend)
+                pool.reserve(min(stream_len, cap), pin=pin, shared=backend.kind == "process", limit=cap)
+                pool.prefault(stream_len)  # a fresh ring (a first save): its pages faulted in beside the copies
+            pool.begin()
+            stats.pool_capacity, stats.pool_allocations, stats.pool_index = (pool.capacity_bytes, pool.allocations,
+                                                                             pool.index)
+            stats.streamed = stream_len > pool.capacity_bytes
+            run = replace(run, pool=pool, in_place=in_place, stream_pos=[bases[c.segment] + c.offset for c in mine],
+                          staging=StagingGate(opts.overlap_drain), drained=DrainPart([None] * len(mine)))
+            backend.attach(pool)  # may raise: then nothing is registered
+            run = replace(run, backend=backend)
+            self._start(run, bases)
         except BaseException as e:
-            run.fail(_format("snapshot stage (preparing)", e))
-            if run.pool is not None and run.backend is None:
-                run.pool.released.set()
-                run.pool = None
+            run.fail(failure_text("snapshot stage (preparing)", e))
+            if pool is not None and run.backend is None:
+                pool.released.set()
+                run = replace(run, pool=None)
+        self._runs[run.seq] = run
         return run
 
     def _acquire_pool(self) -> tuple[StagingPool, float]:
@@ -226,88 +191,84 @@ class SavePipeline:
             # both pools are draining: wait for either (the older one finishes first)
             self.pools[0].released.wait(0.05) or self.pools[1].released.wait(0.05)
 
-    def _start(self, run: _Run, backend: ThreadDrain | ProcessDrain) -> None:
-        """Register ``run`` with the drain (its pool is reserved and acquired)."""
-        assert run.pool is not None
-        req, plan = run.request, run.plan
-        sizes = [n for _, n in plan.segments[self.rank]]
-        bases, _ = stream_layout(sizes)
-        segs = [(req.storage.join(req.path, rel), bases[i], n) for i, (rel, n) in enumerate(plan.segments[self.rank])]
-        chunks = [(bases[c.segment] + c.offset, c.nbytes,
-                   block_size(c.nbytes) if c.nbytes > CHECKSUM_BLOCK_BYTES else 0) for c in run.mine]
-        run.digests = [None] * len(run.mine)
-        run.stream_pos = [bases[c.segment] + c.offset for c in run.mine]
-        run.gate_open = req.options.overlap_drain
-        backend.attach(run.pool)  # may raise: then nothing is registered
-        run.backend = backend
-        self._active[run.seq] = run
-        backend.start_job(JobSpec(run.seq, run.pool.index, run.pool.capacity_bytes, segs, chunks,
-                                  direct=req.options.direct_io, write_block=req.options.write_block,
-                                  storage_options=req.storage_options, in_place=run.in_place))
+    def _start(self, run: Run, bases: list[int]) -> None:
+        """Register ``run`` with its drain (its pool is reserved, acquired and attached)."""
+        assert run.pool is not None and run.backend is not None
+        task = run.task
+        segs = [(task.storage.join(task.path, rel), bases[i], n)
+                for i, (rel, n) in enumerate(run.plan.segments[self.rank])]
+        chunks = [(pos, c.nbytes, block_size(c.nbytes) if c.nbytes > CHECKSUM_BLOCK_BYTES else 0)
+                  for pos, c in zip(run.stream_pos, run.mine)]
+        self.events.active[run.seq] = run
+        run.backend.start_job(JobSpec(run.seq, run.pool.index, run.pool.capacity_bytes, segs, chunks,
+                                      direct=task.options.direct_io, write_block=task.options.write_block,
+                                      storage_options=task.storage_options, in_place=run.in_place))
 
-    def stage(self, run: _Run) -> None:
+    def stage(self, run: Run) -> None:
         """Save thread: stage the run (what the caller must not change first, then the rest), setting
         ``released`` once the caller may go on and ``snapshot_done`` once every byte is staged."""
         progress = run.progress
         try:
             if run.backend is None:  # this rank could not start its drain: settle what it owes, report at the commit
-                self.transfers.settle(run)
+                self._settle(run)
                 progress.finish_snapshot()
                 return
-            first, rest = self._items(run)
-            self._run_items(run, first, final=not rest)
+            sends = run.plan.sends[self.rank]
+            first, rest = self._chunks(run)
+            self._run_items(run, sends, first, final=not rest)
             if rest:
                 progress.released.set()
-                self._run_items(run, rest, final=True)
+                self._run_items(run, [], rest, final=True)
         except BaseException as e:  # pragma: no cover - a bug: never leave a caller waiting
-            run.fail(_format("snapshot stage (internal)", e))
+            run.fail(failure_text("snapshot stage (internal)", e))
             progress.finish_snapshot()
 
-    def _items(self, run: _Run) -> tuple[list, list]:
-        """(what must be staged before the caller may go on, the rest)."""
-        sends = [("send", s) for s in run.plan.sends[self.rank]]
-        chunks = [("chunk", i, c) for i, c in enumerate(run.mine)]
-        if not run.guarded:
-            return sends + chunks, []
-        # the plan put this rank's guarded chunks last: everything before them goes first
-        first = next((i for i, c in enumerate(run.mine) if c.fqn in run.guarded), len(run.mine))
-        return sends + chunks[:first], chunks[first:]
+    def _settle(self, run: Run) -> None:
+        self.transfers.settle(run.seq, run.plan.sends[self.rank], run.mine, run.transfers, run.fail)
 
-    def _run_items(self, run: _Run, items: list, final: bool) -> None:
-        """Stage ``items``; on the final part, close the run's stream and mark the snapshot done."""
+    def _chunks(self, run: Run) -> tuple[range, range]:
+        """This rank's chunks (indexes into ``run.mine``): what must be staged before the caller may go
+        on, and the rest (the chunks of tensors an optimizer step hook guards: the plan put them last)."""
+        n = len(run.mine)
+        if not run.guarded:
+            return range(n), range(n, n)
+        first = next((i for i, c in enumerate(run.mine) if c.fqn in run.guarded), n)
+        return range(first), range(first, n)
+
+    def _run_items(self, run: Run, sends: list[SendOp], chunks: range, final: bool) -> None:
+        """Post ``sends`` and stage ``chunks``; on the final part, close the run's stream and mark the
+        snapshot done."""
         t0 = time.perf_counter()
         backend = run.backend
+        assert backend is not None
         try:
             if run.progress.error is None:
-                self._stage_items(run, items, backend)
+                self._stage_items(run, sends, chunks, backend)
             if final:
                 self._sync_cuda(run)
         except BaseException as e:
             if not isinstance(e, PoolAborted):
-                run.fail(_format("snapshot stage (staging copy)", e))
-            self.transfers.settle(run)
+                run.fail(failure_text("snapshot stage (staging copy)", e))
+            self._settle(run)
         run.stats.stage_s += time.perf_counter() - t0
         if final:
             if run.progress.error is not None:
-                self.transfers.settle(run)
+                self._settle(run)
             self._open_gate(run)
             backend.end_job(run.seq, run.progress.error)
-            run.stats.snapshot_s = time.perf_counter() - run.request.t0
+            run.stats.snapshot_s = time.perf_counter() - run.task.t0
             run.progress.finish_snapshot()
 
-    def _stage_items(self, run: _Run, items: list, backend: Any) -> None:
+    def _stage_items(self, run: Run, sends: list[SendOp], chunks: range, backend: ThreadDrain | ProcessDrain) -> None:
         pool = run.pool
         assert pool is not None
-        piece = run.request.options.piece_bytes
+        piece = run.task.options.piece_bytes
         cuda = self._cuda_for(run)
-        sends = [it[1] for it in items if it[0] == "send"]
         if sends:
-            self.transfers.post_sends(run, sends, cuda)
+            self.transfers.post_sends(run.seq, pool, run.leaves, sends, cuda, run.transfers)
         stats = run.stats
-        for it in items:
-            if it[0] != "chunk":
-                continue
-            _, ci, chunk = it
+        for ci in chunks:
+            chunk = run.mine[ci]
             base = run.stream_pos[ci]
             for fill in chunk.fills:
                 if run.progress.error is not None:
@@ -315,9 +276,9 @@ class SavePipeline:
                 if isinstance(fill, RecvFill):
                     start, end = base + fill.byte_start, base + fill.byte_start + fill.nbytes
                     pool.acquire(end, on_block=lambda: self._open_gate(run))
-                    (dst,) = pool.region(start, end)  # receives never straddle the wrap (granule cuts)
-                    work = self.transfers.post_recv(run, fill, dst)
-                    self._item(run, backend, start, end, ci, work.wait)
+                    (into,) = pool.region(start, end)  # receives never straddle the wrap (granule cuts)
+                    received = self.transfers.post_recv(run.seq, fill, into, run.transfers)
+                    self._item(run, backend, start, end, ci, received)
                     continue
                 src = byte_view(_narrow(run.leaves[chunk.fqn], fill.view))
                 on_cuda = src.is_cuda
@@ -327,7 +288,9 @@ class SavePipeline:
                     start = base + fill.byte_start + done
                     pool.acquire(start + n, on_block=lambda: self._open_gate(run))
                     dst = pool.region(start, start + n)
+                    wait: Callable[[], object] | None = None
                     if on_cuda:
+                        assert cuda is not None  # CUDA tensors come with cuda_ready
                         stream = cuda.stream_for(src.device)
                         with torch.cuda.stream(stream):
                             copy_bytes(dst, src, fill.src_byte + done, n, stream)
@@ -335,109 +298,72 @@ class SavePipeline:
                         wait = ev.synchronize
                     else:
                         copy_bytes(dst, src, fill.src_byte + done, n)
-                        wait = None
                     stats.bytes_staged += n
                     self._item(run, backend, start, start + n, ci, wait)
                     done += n
 
-    def _item(self, run: _Run, backend: Any, start: int, end: int, ci: int, wait: Callable | None) -> None:
-        with run.lock:
-            if not run.gate_open:
-                run.held.append((start, end, ci, wait))
+    @staticmethod
+    def _item(run: Run, backend: ThreadDrain | ProcessDrain, start: int, end: int, ci: int,
+              wait: Callable[[], object] | None) -> None:
+        gate = run.staging
+        with gate.lock:
+            if not gate.open:
+                gate.held.append(StagedPiece(start, end, ci, wait))
                 return
         backend.item(run.seq, start, end, ci, wait)
 
-    def _open_gate(self, run: _Run) -> None:
+    @staticmethod
+    def _open_gate(run: Run) -> None:
         """Let the drain start on ``run`` (at the end of the snapshot, or when the ring is full)."""
-        with run.lock:
-            if run.gate_open:
+        gate = run.staging
+        with gate.lock:
+            if gate.open:
                 return
-            run.gate_open = True
-            held, run.held = run.held, []
-        for start, end, ci, wait in held:
-            run.backend.item(run.seq, start, end, ci, wait)
+            gate.open = True
+            held, gate.held = gate.held, []
+        assert run.backend is not None
+        for p in held:
+            run.backend.item(run.seq, p.start, p.end, p.ci, p.wait)
 
     # -- CUDA ----------------------------------------------------------------------------------------
-    def _cuda_for(self, run: _Run) -> CudaStager | None:
+    def _cuda_for(self, run: Run) -> CudaStager | None:
         if not run.cuda_ready:
             return None
         if self._cuda is None:
             self._cuda = CudaStager()
-        if not run.cuda_begun:
+        if not run.staging.cuda_begun:
             self._cuda.begin(run.cuda_ready)
-            run.cuda_begun = True
+            run.staging.cuda_begun = True
         return self._cuda
 
-    def _sync_cuda(self, run: _Run) -> None:
+    def _sync_cuda(self, run: Run) -> None:
         """Block until every D2H copy of the run has landed (the snapshot is then complete)."""
         if run.cuda_ready and self._cuda is not None:
             for dev in run.cuda_ready:
                 self._cuda.stream_for(dev).synchronize()
-
-    # -- drain events (drain threads; DrainEvents) -----------------------------------------------------
-    def on_freed(self, seq: int, pos: int) -> None:
-        run = self._active.get(seq)
-        if run is not None and run.pool is not None:
-            run.pool.freed(pos)
-
-    def on_chunk(self, seq: int, c: int, digest: str, blocks: tuple, block_bytes: int) -> None:
-        self._active[seq].digests[c] = (digest, tuple(blocks), block_bytes)
-
-    def on_segment(self, seq: int, i: int) -> None:
-        run = self._active[seq]
-        if run.request.options.upload_to is not None:
-            rel = run.plan.segments[self.rank][i][0]
-            self.uploader.upload_later(run.request, run.progress, rel, lambda n, s, e, r=run: self._uploaded(r, n, s, e))
-
-    def _uploaded(self, run: _Run, nbytes: int, seconds: float, error: BaseException | None) -> None:
-        run.stats.bytes_uploaded += nbytes
-        run.timings["upload_s"] += seconds
-        if error is not None:
-            run.fail(_format("upload stage", error))
-
-    def on_failed(self, seq: int, text: str) -> None:
-        run = self._active.get(seq)
-        if run is not None:
-            run.fail(text)
-
-    def on_done(self, seq: int, error: str | None, timings: dict) -> None:
-        run = self._active.pop(seq, None)
-        if run is None:
-            return
-        if error is not None:
-            run.fail(error)
-        for k in ("checksum_s", "merge_wait_s", "write_s"):
-            run.timings[k] = timings.get(k, 0.0)
-        run.stats.bytes_written += timings.get("bytes_written", 0)
-        run.backend_done.set()
-        if run.request.options.upload_to is not None:
-            self.uploader.after_uploads(run.uploads_done.set)
-        else:
-            run.uploads_done.set()
-
-    def on_died(self, text: str) -> None:
-        for seq in list(self._active):
-            self.on_failed(seq, text)
-            self.on_done(seq, text, {})
 
     # -- the commit thread ------------------------------------------------------------------------------
     def wait_drained(self, seq: int) -> DrainResult:
         """Commit thread, after ``planned``: block until save ``seq``'s bytes are written, fsynced and
         uploaded and its merge sends have completed; then free its ring and fill its stage times."""
         run = self._runs.pop(seq)
-        started = run.backend is not None
+        started, drained, log = run.backend is not None, run.drained, run.transfers
         if started:
-            run.backend_done.wait()
-            run.uploads_done.wait()
-            for w in run.send_works:
+            drained.backend_done.wait()
+            drained.uploads_done.wait()
+            for w in log.send_works:
                 try:
                     w.wait()
                 except Exception as e:  # a peer died: the commit gather will report it too
-                    run.fail(_format("merge send", e))
-            run.send_works = []
-        stats = run.stats
+                    run.fail(failure_text("merge send", e))
+            log.send_works = []
+        stats = run.stats  # the drain's and the transfers' parts, merged once
         for k in ("checksum_s", "merge_wait_s", "write_s", "upload_s"):
-            setattr(stats, k, run.timings.get(k, 0.0))
+            setattr(stats, k, drained.timings.get(k, 0.0))
+        stats.bytes_written += drained.bytes_written
+        stats.bytes_uploaded += drained.bytes_uploaded
+        stats.p2p_sends, stats.p2p_recvs = log.sends, log.recvs
+        stats.merge_bytes_sent, stats.merge_bytes_received = log.bytes_sent, log.bytes_received
         if run.pool is not None:
             stats.ring_wait_s = run.pool.wait_s
             if run.in_place:  # the file is the checkpoint's now: never touched through this ring again
@@ -445,7 +371,7 @@ class SavePipeline:
                     run.backend.detach(run.pool)
                 run.pool.release_file()
             run.pool.released.set()
-        return DrainResult(run.digests, started)
+        return DrainResult(drained.digests, started)
 
     def close(self) -> None:
         if self._backend is not None:

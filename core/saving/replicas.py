@@ -129,7 +129,7 @@ def check_replicas(comm: Any, replicas: tuple, leaves: dict[str, torch.Tensor], 
     """Compare every replicated chunk across its holders (collective over ``comm``'s plan group).
 
     Args:
-        comm: the engine's :class:`~unickpt.collectives.Comm` (world size > 1).
+        comm: the engine's :class:`~unickpt.dist.comm.Comm` (world size > 1).
         replicas: ``(fqn, spec, holder ranks)`` of every chunk held by several ranks, in the same
             order on every rank (``SavePlan.replicas``).
         leaves: this rank's tensor for each fqn it holds (its local chunk of that fqn).

@@ -1,12 +1,15 @@
-"""One save as the threads of the save path see it: what was asked (:class:`SaveRequest`, immutable),
-how far it has got (:class:`SaveProgress`: events and the first failure), what it cost
-(:class:`SaveStats`), and what the caller holds (:class:`SaveHandle`).
+"""One save as the threads of the save path see it: what was asked (:class:`SaveTask`, immutable: the
+caller's :class:`~unickpt.requests.SaveRequest` and what the engine added), how far it has got
+(:class:`SaveProgress`: events and the first failure), what it cost (:class:`SaveStats`), and what the
+caller holds (:class:`SaveHandle`).
 
-Writers of each: the caller's thread creates the request, progress and stats; the save thread sets
+Writers of each: the caller's thread creates the task, progress and stats; the save thread sets
 ``planned`` (with the plan or the planning error), ``released`` and ``snapshot_done``; any thread may
 record a failure (:meth:`SaveProgress.fail`, first one wins); the commit thread sets ``committed``
-(on the stats) and completes the handle's future. Stats fields are each written by one thread (the
-stage that measures them) and read after the commit.
+(on the stats) and completes the handle's future. Stats fields are each written by one thread: the
+caller's (``stall_s``), the save thread's (plan and staging), the commit thread's (commit, and the
+drain's and merge transfers' counts, which those threads keep in their own part of the run,
+:mod:`.run`, merged once before the commit); read after the commit.
 """
 from __future__ import annotations
 
@@ -16,36 +19,57 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from ..options import SaveOptions
+from ..requests import SaveRequest
+from ..storage.base import StorageBackend
 
-__all__ = ["SaveRequest", "SaveProgress", "SaveStats", "SaveHandle"]
+__all__ = ["SaveTask", "SaveProgress", "SaveStats", "SaveHandle"]
 
 
 @dataclass(frozen=True)
-class SaveRequest:
-    """What one save was asked to do, on this rank.
+class SaveTask:
+    """What one save was asked to do, on this rank: the call's ``request`` (its ``path``, ``step``,
+    ``framework``, ``extra`` and ``on_commit`` are read through this task) and what the engine added.
 
     Attributes:
+        request: the call (:class:`~unickpt.requests.SaveRequest`).
         seq: the save's number in its engine, equal on every rank (it tags merge transfers).
-        path: the checkpoint directory; ``storage`` its backend, ``storage_options`` the fsspec options.
+        storage: the backend of ``request.path``.
         options: the save's options (validated), equal on every rank where they shape the plan.
         rank, world_size: this rank in the save's group.
-        step, framework, extra: recorded in ``metadata.json``.
-        on_commit: called on group rank 0 (commit thread) right after the commit.
         t0: ``time.perf_counter()`` at the call.
     """
 
+    request: SaveRequest
     seq: int
-    path: str
-    storage: Any
-    storage_options: dict | None
+    storage: StorageBackend
     options: SaveOptions
     rank: int
     world_size: int
-    step: int | None = None
-    framework: str | None = None
-    extra: dict = field(default_factory=dict)
-    on_commit: Callable[[], None] | None = None
     t0: float = 0.0
+
+    @property
+    def path(self) -> str:
+        return self.request.path
+
+    @property
+    def storage_options(self) -> dict | None:
+        return self.request.storage_options
+
+    @property
+    def step(self) -> int | None:
+        return self.request.step
+
+    @property
+    def framework(self) -> str | None:
+        return self.request.framework
+
+    @property
+    def extra(self) -> dict:
+        return self.request.extra
+
+    @property
+    def on_commit(self) -> Callable[[], None] | None:
+        return self.request.on_commit
 
 
 class SaveProgress:
@@ -200,6 +224,17 @@ class SaveHandle:
     def snapshot_done(self) -> bool:
         """True once every byte of the state is staged (tensors may be changed freely after this)."""
         return self._progress is None or self._progress.snapshot_done.is_set()
+
+    def wait_planned(self) -> None:
+        """Block until the save's plan is agreed or its planning failed (immediate for a handle made
+        without progress)."""
+        if self._progress is not None:
+            self._progress.planned.wait()
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], None]) -> None:
+        """Call ``fn(handle)`` once the save has committed or failed (at once if it has; on the commit
+        thread otherwise). ``fn`` must not raise."""
+        self._future.add_done_callback(lambda _f: fn(self))
 
     def wait_snapshot(self, timeout: float | None = None) -> bool:
         """Block until the snapshot is complete (``overlap`` mode; immediate otherwise). Returns False

@@ -39,16 +39,17 @@ from typing import Any, Callable
 
 from ..dist.comm import Comm, local_synchronization
 from ..dist.p2p import P2P
-from ..errors import EarlierSaveFailedError
 from ..lifecycle.directory import prepare_target
 from ..options import SaveOptions, check_options
+from ..requests import SaveRequest
 from ..storage import open_storage
 from . import snapshot as snapshot_mod
 from .agree import PlanAgreement
 from .commit import Committer
 from .pipeline import SavePipeline
 from .replicas import check_replicas
-from .request import SaveHandle, SaveProgress, SaveRequest, SaveStats
+from .reports import agree_finished, report_unreported
+from .request import SaveHandle, SaveProgress, SaveStats, SaveTask
 from .snapshot import Snapshot, StepGuards, take_snapshot
 from .upload import Uploader
 
@@ -93,7 +94,7 @@ class Saver:
         self.agreement = PlanAgreement(comm)
         self.committer = Committer(comm, run_id)
         # the commit never removes a failed save's directory while a save into it is in flight here
-        self.committer.busy = lambda p, others=0: self.in_flight(p, others) or self._busy_elsewhere(p)
+        self.committer.busy = self._busy
         self.guards = StepGuards()
         self._commits = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unickpt-commit")
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -108,18 +109,14 @@ class Saver:
         self._closed = False
 
     # -- caller's thread ---------------------------------------------------------------------------
-    def save(self, path: str, state: dict, *, async_save: bool = False, storage_options: dict | None = None,
-             step: int | None = None, framework: str | None = None, extra: dict | None = None,
-             on_commit: Callable[[], None] | None = None, allow_pickle: bool = False,
-             options: SaveOptions | None = None,
-             on_error: Callable[[BaseException], bool] | None = None) -> SaveHandle:
-        """Save ``state`` to ``path`` (see :func:`unickpt.save`): the snapshot, then the hand-off to the
-        save thread, then (``sync`` snapshot mode) the wait until everything is staged. Planning errors
-        are raised here in ``sync`` snapshot mode, on the handle in ``overlap`` mode.
+    def save(self, request: SaveRequest, state: dict) -> SaveHandle:
+        """Save ``state`` as ``request`` says (see :func:`unickpt.save`): the snapshot, then the hand-off
+        to the save thread, then (``sync`` snapshot mode) the wait until everything is staged. Planning
+        errors are raised here in ``sync`` snapshot mode, on the handle in ``overlap`` mode.
 
         With ``report_earlier``, first raises EarlierSaveFailedError for earlier saves that failed
         (:meth:`report_failures`; this save is then not started), and, after a synchronous save
-        committed, for earlier ones found failed meanwhile. ``on_error``: see
+        committed, for earlier ones found failed meanwhile. ``request.on_error``: see
         :attr:`~unickpt.saving.request.SaveHandle.on_error`."""
         t0 = time.perf_counter()
         if self._closed:
@@ -129,22 +126,21 @@ class Saver:
         # options given to this call are checked as part of the save, so that a bad value on one rank is
         # raised on every rank by the plan agreement instead of leaving the others waiting
         opts, opts_error = self.options, None
-        if options is not None:
+        if request.options is not None:
             try:
-                opts = check_options(options, SaveOptions, "save").validated()
+                opts = check_options(request.options, SaveOptions, "save").validated()
             except (TypeError, ValueError) as e:
                 opts_error = e
-        path = str(path)
-        stats = SaveStats(path=path, step=step, snapshot=opts.snapshot, writer=opts.writer,
+        path = request.path
+        stats = SaveStats(path=path, step=request.step, snapshot=opts.snapshot, writer=opts.writer,
                           flat_ranges=opts.flat_ranges)
         self.guards.remove_finished()
         seq, self._seq = self._seq, self._seq + 1
-        req = SaveRequest(seq, path, open_storage(path, storage_options), storage_options, opts, self.rank,
-                          self.world_size, step, framework, dict(extra or {}), on_commit, t0)
+        req = SaveTask(request, seq, open_storage(path, request.storage_options), opts, self.rank, self.world_size, t0)
         progress = SaveProgress()
         clone_limit = min(snapshot_mod.OVERLAP_CLONE_BYTES, self.pipeline.ring_bytes(opts) // 4)
         snap = take_snapshot(state, rank=self.rank, world_size=self.world_size, snapshot_mode=opts.snapshot,
-                             allow_pickle=allow_pickle, clone_limit=clone_limit)
+                             allow_pickle=request.allow_pickle, clone_limit=clone_limit)
         if opts_error is not None:
             snap.failed(opts_error, self.rank, tag="options")
         with self._lock:
@@ -152,9 +148,9 @@ class Saver:
         if snap.optimizers:
             self.guards.guard(progress, stats, snap.optimizers)
         handle = SaveHandle(self._commits.submit(self._commit, req, progress, snap, stats), stats, progress, seq=seq,
-                            on_error=on_error)
+                            on_error=request.on_error)
         with self._lock:  # finished saves that committed need no report; failed ones wait for the agreement
-            self._pending = [h for h in self._pending if not (h.done() and h._future.exception() is None)]
+            self._pending = [h for h in self._pending if not (h.done() and h.outcome() is None)]
             self._pending.append(handle)
         # the hand-off comes last: the save thread wakes up and competes for the GIL
         self._queue.put((req, progress, snap, stats))
@@ -164,10 +160,10 @@ class Saver:
                 handle.error_reported = True  # raised here, not again by the engine's wait()
                 with self._lock:
                     self._pending = [h for h in self._pending if h is not handle]
-                handle._future.exception()  # its commit-thread part is over: the path is no longer in flight
+                handle.outcome()  # its commit-thread part is over: the path is no longer in flight
                 raise progress.plan_error
         stats.stall_s = time.perf_counter() - t0
-        if not async_save:
+        if not request.async_save:
             handle.wait()
             if self._report_earlier:  # every save up to this one has finished, on every rank
                 self._agreed = seq + 1
@@ -192,7 +188,7 @@ class Saver:
             # modules and optimizers (a model deleted after its last save would stay in memory)
             del got, req, progress, snap, stats
 
-    def _serve(self, req: SaveRequest, progress: SaveProgress, snap: Snapshot, stats: SaveStats) -> None:
+    def _serve(self, req: SaveTask, progress: SaveProgress, snap: Snapshot, stats: SaveStats) -> None:
         t0 = time.perf_counter()
         try:
             plan = self._plan(req, snap, stats)
@@ -205,7 +201,7 @@ class Saver:
         progress.finish_planning(plan)
         self.pipeline.stage(run)
 
-    def _plan(self, req: SaveRequest, snap: Snapshot, stats: SaveStats) -> Any:
+    def _plan(self, req: SaveTask, snap: Snapshot, stats: SaveStats) -> Any:
         """Group rank 0 checks and claims the target directory (before the agreement: no other rank
         writes into it before then), then every rank agrees on the plan. When the agreement fails, the
         directory rank 0 just made (empty but for its writer record) is removed again."""
@@ -241,7 +237,7 @@ class Saver:
         stats.collectives_plan += check_replicas(self.comm, plan.replicas, leaves, full=full)
 
     # -- commit thread ------------------------------------------------------------------------------
-    def _commit(self, req: SaveRequest, progress: SaveProgress, snap: Snapshot, stats: SaveStats) -> None:
+    def _commit(self, req: SaveTask, progress: SaveProgress, snap: Snapshot, stats: SaveStats) -> None:
         """Wait for the plan and the drain, then commit (every rank reaches the collectives)."""
         try:
             progress.planned.wait()
@@ -258,6 +254,10 @@ class Saver:
                     self._in_flight.pop(req.path, None)
 
     # -- lifecycle ----------------------------------------------------------------------------------
+    def _busy(self, path: str, others: int = 0) -> bool:
+        """A save into ``path`` is in flight here (``others``: how many to ignore) or in another engine."""
+        return self.in_flight(path, others) or self._busy_elsewhere(path)
+
     def in_flight(self, path: str, others: int = 0) -> bool:
         """True while a save to ``path`` started here has not finished (any thread); ``others``: how
         many in-flight saves to ignore (the caller's own)."""
@@ -273,71 +273,32 @@ class Saver:
         """Block until every pending save has agreed its plan (so that the caller's thread may run a
         collective on the plan group without interleaving with the save thread's)."""
         for h in self.pending():
-            if h._progress is not None:
-                h._progress.planned.wait()
+            h.wait_planned()
 
     def report_failures(self) -> None:
         """Raise the failures of earlier saves that have finished on every rank and were not raised yet
         (caller's thread; every rank of the group calls it at the same point and raises the same error).
 
-        Which saves have finished everywhere is agreed: **1 collective** (an all-reduce of each rank's
-        count of finished saves, on the plan group, after the pending plans are agreed), run only when
-        a save started since the last agreement (on every rank alike: a rank's own ``wait()`` does not
-        count); none in a world of one. Saves finish in order (one commit thread), so the agreed count
-        is a prefix of the saves.
+        Which saves have finished everywhere is agreed (:func:`~.reports.agree_finished`: **1
+        collective**), only when a save started since the last agreement (on every rank alike: a
+        rank's own ``wait()`` does not count). A failure that a handle's ``wait()`` raised on every
+        rank is not raised again; one raised on some ranks only is raised again, on every rank.
 
-        A failure that a handle's ``wait()`` raised on every rank is not raised again; one that it raised
-        on some ranks only is raised again, on every rank (the all-reduce carries a flag per save since
-        the last agreement), so that the ranks never part ways (each would plan a different step next).
-
-        Raises EarlierSaveFailedError naming every failed save's step (or path), oldest first, with the
-        oldest one's error as ``__cause__``; a save whose ``on_error`` hook returns True is left out."""
+        Raises EarlierSaveFailedError as :func:`~.reports.report_unreported`."""
         if self._agreed >= self._seq:  # the same on every rank: they all skip the collective, or none does
             return
-        with self._lock:
-            upto = min([h.seq for h in self._pending if not h.done()], default=self._seq)
-            pending = {h.seq: h for h in self._pending}
         if self.world_size > 1:
-            import torch
-            import torch.distributed as dist
-
             self.wait_planned()  # the caller's collective must not interleave with the save thread's
-            # with the count, for each save since the last agreement: was its failure raised here already
-            # (its handle's wait())? Raised on every rank, it is not raised again; raised on some ranks
-            # only, it is raised again on every rank, so that no rank goes on alone
-            seqs = range(self._agreed, self._seq)
-            said = [int(s in pending and pending[s].done() and pending[s].error_reported) for s in seqs]
-            agreed = torch.tensor([upto, *said], dtype=torch.int64)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.comm.plan_group)
-            upto = int(agreed[0].item())
-            for s, everywhere in zip(seqs, agreed[1:].tolist()):
-                if s < upto and s in pending and not everywhere:
-                    pending[s].error_reported = False
-        self._agreed = upto
-        self._report(upto)
+        self._agreed = agree_finished(self.comm, self._agreed, self._seq, self.pending())
+        self._report(self._agreed)
 
     def _report(self, upto: int) -> None:
         """Report the unreported failures of the saves numbered below ``upto`` (all finished on every
-        rank): each to its handle's ``on_error`` hook, the rest raised as one EarlierSaveFailedError."""
+        rank): :func:`~.reports.report_unreported`."""
         with self._lock:
             finished = [h for h in self._pending if h.seq < upto]
             self._pending = [h for h in self._pending if h.seq >= upto]
-        failed = []
-        for h in finished:
-            error = h._future.exception()
-            if error is not None and not h.error_reported:
-                h.error_reported = True
-                failed.append((h.stats.step, h.path, error, h.on_error))
-        raised = []
-        for step, path, error, hook in failed:
-            if hook is not None:
-                one = EarlierSaveFailedError([(step, path, error)])
-                one.__cause__ = error
-                if hook(one):
-                    continue
-            raised.append((step, path, error))
-        if raised:
-            raise EarlierSaveFailedError(raised) from raised[0][2]
+        report_unreported(finished)
 
     def wait(self) -> None:
         """Wait for every pending save; then raise the failures not raised yet (EarlierSaveFailedError
@@ -346,10 +307,7 @@ class Saver:
         with self._lock:
             pending = list(self._pending)
         for handle in pending:
-            try:
-                handle._future.result()
-            except BaseException:  # reported below, with the others
-                pass
+            handle.outcome()  # failures are reported below, with the others
         self.guards.remove_finished()
         self._report(upto)
 

@@ -1,7 +1,7 @@
 """Staging: the snapshot copy into bounded, reused host memory (the only part of a save that blocks).
 
 A :class:`StagingPool` owns one host buffer used as a *ring* over a save's byte stream (see
-:mod:`unickpt.hashwrite`: stream byte ``p`` lives at ring offset ``p % capacity``). The buffer is
+:mod:`unickpt.plan.stream`: stream byte ``p`` lives at ring offset ``p % capacity``). The buffer is
 kept across saves, so only the first save pays for page faults (copies into fresh memory are
 several times slower than into touched memory), and it is reallocated only when a save needs a
 larger one than it has, never beyond the configured bound. It is pinned when CUDA tensors are
@@ -216,7 +216,7 @@ class StagingPool:
 
     def send_buffer(self, nbytes: int, pin: bool = False) -> torch.Tensor:
         """A reusable buffer of at least ``nbytes`` for merge transfers (outside the ring: sends must
-        not wait for ring space, see :mod:`unickpt.merging`)."""
+        not wait for ring space, see :mod:`unickpt.dist.p2p`)."""
         if self._send is None or self._send.numel() < nbytes or (pin and not self._send.is_pinned()):
             self._send = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
         return self._send

@@ -18,8 +18,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from ..format.layout import METADATA_FILE
-from ..lifecycle.directory import prepare_target
+from ..lifecycle.directory import CheckpointDir
 from ..options import SaveOptions
 from ..storage import open_storage
 
@@ -48,7 +47,7 @@ class Uploader:
         """Group rank 0, save thread: the remote directory follows the local target's rules (a committed
         one is refused, a foreign one too; an incomplete one is replaced). Returns (backend, directory)."""
         remote, rdir = remote_dir(options, path)
-        prepare_target(remote, rdir, in_flight=lambda _: False, writer=False)
+        CheckpointDir(remote, rdir).prepare(in_flight=lambda _: False, writer=False)
         return remote, rdir
 
     def upload_later(self, request: Any, progress: Any, rel: str,
@@ -90,7 +89,7 @@ class Uploader:
     def commit(request: Any, data: bytes) -> None:
         """Group rank 0, commit thread: write the remote copy's ``metadata.json`` (its commit)."""
         remote, rdir = remote_dir(request.options, request.path)
-        remote.write_atomic(remote.join(rdir, METADATA_FILE), data)
+        CheckpointDir(remote, rdir).commit(data)
 
     def _loop(self) -> None:
         while True:

@@ -28,7 +28,7 @@ _TAGS = {STATEFUL_REF, "__tuple__", "__dict__", "__odict__", "__bytes__", "__set
          "__size__", "__device__", "__tensor__", "__ndarray__", "__npscalar__", "__pickle__", TENSOR_REF, PER_RANK_REF}
 
 
-def _b64(data: bytes | memoryview) -> str:
+def _b64(data: bytes | bytearray | memoryview) -> str:
     return base64.b64encode(bytes(data)).decode("ascii")
 
 

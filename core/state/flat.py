@@ -429,7 +429,7 @@ def _flatten(state: dict, *, for_load: bool, allow_pickle: bool) -> FlatState:
                     out.created_states.add(fqn)
             enc = walk(sd, path, fqn, holder, 0)
             if for_load:
-                out.appliers.append(lambda h=holder, f=load_fn: f(h[0]))
+                out.appliers.append(lambda: load_fn(holder[0]))
             return {codec.STATEFUL_REF: enc}
         if isinstance(x, PerRank):
             claim(fqn, path)

@@ -67,7 +67,8 @@ class Shard:
                     )
             self.spec: ChunkSpec = Box(offs, lens)
         else:
-            start, length = (int(x) for x in flat_range)  # type: ignore[misc]
+            assert flat_range is not None  # exactly one of the two, checked above
+            start, length = (int(x) for x in flat_range)
             if length != tensor.numel():
                 raise ValueError(f"Shard: flat_range length {length} != tensor.numel() {tensor.numel()}")
             if start < 0 or start + length > total:

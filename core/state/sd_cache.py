@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -81,20 +81,21 @@ def state_dicts(model: nn.Module, optim: torch.optim.Optimizer | None) -> tuple[
             entry = _CACHE.get(model, {}).get(id(optim) if optim is not None else None)
             hit = entry is not None and entry["optim"]() is optim and entry["key"] == key
             _COUNTS["hits" if hit else "misses"] += 1
-        if hit:
+        if hit and entry is not None:
             return _copy(entry, optim)
     else:
         with _LOCK:
             _COUNTS["uncacheable"] += 1
+    osd: dict | None
     if optim is None:
         msd, osd = get_model_state_dict(model), None
-    else:
-        msd, osd = get_state_dict(model, optim)
+    else:  # torch types the optimizer state as a union of its values; "state" is a dict, "param_groups" a list
+        msd, osd = cast("tuple[dict, dict]", get_state_dict(model, optim))
     if key is not None and _fingerprint(model, optim) == key:  # torch's call changed nothing it depends on
         entry = {"key": key, "optim": weakref.ref(optim) if optim is not None else (lambda: None),
                  "msd": dict(msd), "state": None if osd is None else dict(osd["state"]),
                  "groups": None if osd is None else [list(g["params"]) for g in osd["param_groups"]]}
-        if osd is None or len(entry["groups"]) == len(optim.param_groups):
+        if optim is None or len(entry["groups"]) == len(optim.param_groups):
             with _LOCK:
                 entries = _CACHE.setdefault(model, {})
                 for k in [k for k, e in entries.items() if k is not None and e["optim"]() is None]:
@@ -150,8 +151,8 @@ def _fingerprint(model: nn.Module, optim: torch.optim.Optimizer | None) -> tuple
         parts.append(tuple(m._modules))  # the children's names (a renamed child changes the fqns)
         for name, t in m._parameters.items():
             parts.append((name, None if t is None else _data_key(t)))
-        for name, t in m._buffers.items():
-            parts.append((name, None if t is None or name in m._non_persistent_buffers_set else _data_key(t)))
+        for name, b in m._buffers.items():
+            parts.append((name, None if b is None or name in m._non_persistent_buffers_set else _data_key(b)))
     if optim is None:
         return tuple(parts)
     if type(optim).state_dict is not _OPTIM_STATE_DICT or torch.optim.Optimizer.state_dict is not _OPTIM_STATE_DICT \

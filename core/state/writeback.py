@@ -90,9 +90,9 @@ def writes_back(model: nn.Module, state_dict: dict) -> bool:
         for t in m._parameters.values():
             if t is not None:
                 own.add(_memory_key(t))
-        for name, t in m._buffers.items():
-            if t is not None and name not in m._non_persistent_buffers_set:
-                own.add(_memory_key(t))
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                own.add(_memory_key(b))
     return not all(_memory_key(t) in own for t in state_dict.values())
 
 

@@ -18,8 +18,3 @@ from .retry import is_transient
 
 __all__ = ["StorageBackend", "LocalStorage", "DirectFile", "DIRECT_ALIGN", "open_storage", "register_backend",
            "add_wrapper", "is_transient"]
-
-from .._compat import deprecated_getattr as _deprecated
-
-# unickpt 0.1's ``Storage(url, storage_options)`` is :func:`open_storage` (deprecated name)
-__getattr__ = _deprecated("unickpt.storage", ("unickpt.storage.registry",), frozenset({"Storage"}))

@@ -53,20 +53,3 @@ def open_storage(url: str | os.PathLike, storage_options: dict | None = None) ->
     for wrap in list(_WRAPPERS):
         backend = wrap(backend)
     return backend
-
-
-class _StorageMeta(type):
-    def __instancecheck__(cls, obj: object) -> bool:
-        return isinstance(obj, StorageBackend)
-
-
-class Storage(metaclass=_StorageMeta):
-    """Deprecated (0.1's storage class): ``Storage(url, storage_options=None, retry_total_s=None)`` is
-    :func:`open_storage` (the backend it returns is an instance of ``Storage`` for ``isinstance``)."""
-
-    def __new__(cls, url: str | os.PathLike, storage_options: dict | None = None,
-                retry_total_s: float | None = None) -> StorageBackend:  # type: ignore[misc]
-        backend = open_storage(url, storage_options)
-        if retry_total_s is not None and hasattr(backend, "retry_total_s"):
-            backend.retry_total_s = retry_total_s
-        return backend

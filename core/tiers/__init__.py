@@ -4,7 +4,8 @@ recovery from the nearest tier that still has every shard; a persistent save on 
 
 Modules: :mod:`.layout` (the memory directory of a node), :mod:`.placement` (which rank holds whose
 copy), :mod:`.peer` (the background peer copies), :mod:`.recovery` (restart from the tiers),
-:mod:`.signals` (preemption notices), :mod:`.manager` (:class:`~unickpt.tiers.manager.Tiers`: one
-checkpointer's tiers and its per-step agreement). :class:`~unickpt.Checkpointer` uses them.
+:mod:`.signals` (preemption notices), :mod:`.agreement` (the per-step all-reduce of the watermarks),
+:mod:`.manager` (:class:`~unickpt.tiers.manager.Tiers`: one checkpointer's tiers).
+:class:`~unickpt.Checkpointer` uses them.
 Submodules are imported by name; this package imports nothing.
 """

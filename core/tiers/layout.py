@@ -34,10 +34,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from ..format.layout import METADATA_FILE
+from ..lifecycle.directory import CheckpointDir
+from ..storage.local import LocalStorage
 
-__all__ = ["MemoryLayout", "run_key", "copy_files", "retain_steps", "remove_tree", "recycle_into", "dir_bytes",
-           "STEP_DIR", "RANK_DIR", "SPARE_DIR", "SENDING_DIR"]
+__all__ = ["MemoryLayout", "run_key", "copy_dir", "copy_files", "retain_steps", "remove_tree", "recycle_into",
+           "dir_bytes", "STEP_DIR", "RANK_DIR", "SPARE_DIR", "SENDING_DIR"]
 
 STEP_DIR = re.compile(r"^step_(0|[1-9][0-9]*)$")
 RANK_DIR = re.compile(r"^rank_(0|[1-9][0-9]*)_of_([1-9][0-9]*)$")
@@ -66,8 +67,16 @@ def dir_bytes(path: str) -> int:
     return total
 
 
+_LOCAL = LocalStorage()  # the memory tiers are directories of this node
+
+
+def copy_dir(path: str) -> CheckpointDir:
+    """The :class:`~unickpt.lifecycle.directory.CheckpointDir` of the memory copy ``path`` (this node's)."""
+    return CheckpointDir(_LOCAL, path)
+
+
 def _committed(path: str) -> bool:
-    return os.path.exists(os.path.join(path, METADATA_FILE))
+    return copy_dir(path).is_committed()
 
 
 @dataclass(frozen=True)
@@ -193,27 +202,15 @@ def _steps(rank_dir: str) -> list[tuple[int, bool]]:
 def copy_files(path: str) -> list[list]:
     """The files of a checkpoint directory as ``[[relative path, bytes], ...]``, ``metadata.json``
     last (so that a receiver that writes them in order has the commit last); the writer record is left out."""
-    files = []
-    for dirpath, _, names in os.walk(path):
-        for n in names:
-            full = os.path.join(dirpath, n)
-            rel = os.path.relpath(full, path)
-            if rel in (METADATA_FILE, ".unickpt-writer") or ".tmp-" in n:
-                continue
-            files.append([rel, os.path.getsize(full)])
-    files.sort()
-    if not _committed(path):
-        raise FileNotFoundError(f"{path}: not a committed checkpoint")
-    files.append([METADATA_FILE, os.path.getsize(os.path.join(path, METADATA_FILE))])
-    return files
+    return [[rel, os.path.getsize(os.path.join(path, rel))] for rel in copy_dir(path).files()]
 
 
 def remove_tree(path: str, recycle: Callable[[str], None] | None = None) -> None:
     """Uncommit (``metadata.json`` first), then ``recycle(path)`` (which may move data files away for
     reuse), then remove the tree; missing entries are fine."""
     try:
-        os.remove(os.path.join(path, METADATA_FILE))
-    except (FileNotFoundError, NotADirectoryError):
+        copy_dir(path).uncommit()
+    except NotADirectoryError:
         pass
     if recycle is not None:
         try:

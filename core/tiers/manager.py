@@ -8,16 +8,17 @@ What runs where (every rank of the checkpointer's group):
   (a :class:`~unickpt.saving.saver.Saver` of this process alone: the staging rings, drain threads and
   commit thread of the save path, writing ``SaveOptions.partial`` checkpoints into tmpfs) and the peer
   threads (:mod:`.peer`).
-- **per step** (:meth:`Tiers.agree`, caller's thread): **1 collective**, an all-reduce of three integers:
-  whether any rank has received a preemption notice, the newest step that every rank has *finished*
-  (committed in its tier 0), and the job's *watermark*, the newest step that every rank has committed
-  and, with tier 1, whose copy its holder has received; pipelined: posted at one step and read at the
-  next, so that the caller never waits for it (both are lower bounds, a step old). Then retention
-  (:func:`~unickpt.tiers.layout.retain_steps`, :meth:`Tiers._retain`): each rank keeps its newest
-  ``memory_keep`` copies per tier, every copy newer than the finished step (one of them may become the
-  job's last common step when the slowest rank finishes it) and the newest at or below the finished
-  step and the watermark, so that a rank ahead never deletes the job's last common step; nothing grows
-  over time (at most ``MAX_UNSETTLED`` copies newer than the finished step).
+- **per step** (:meth:`Tiers.agree`, caller's thread; :mod:`.agreement`): **1 collective**, an
+  all-reduce of three integers: whether any rank has received a preemption notice, the newest step
+  that every rank has *finished* (committed in its tier 0), and the job's *watermark*, the newest step
+  that every rank has committed and, with tier 1, whose copy its holder has received; pipelined:
+  posted at one step and read at the next, so that the caller never waits for it (both are lower
+  bounds, a step old). Then retention (:func:`~unickpt.tiers.layout.retain_steps`,
+  :meth:`Tiers._retain`): each rank keeps its newest ``memory_keep`` copies per tier, every copy newer
+  than the finished step (one of them may become the job's last common step when the slowest rank
+  finishes it) and the newest at or below the finished step and the watermark, so that a rank ahead
+  never deletes the job's last common step; nothing grows over time (at most ``MAX_UNSETTLED`` copies
+  newer than the finished step).
 - **memory save** (:meth:`Tiers.memory_save`): the caller's thread takes the snapshot (the stall: the
   copy into the staging ring, as for a persistent save); the drain threads checksum and write it to
   ``own/rank_<r>_of_<W>/step_<N>/`` in this node's memory directory and the commit thread writes its
@@ -30,27 +31,25 @@ import json
 import logging
 import os
 import threading
-import time
 import uuid
 import weakref
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable
-
-import torch
 
 from ..dist.comm import Comm
 from ..loading.loader import Loader
 from ..loading.stats import LoadStats
 from ..options import LoadOptions, SaveOptions, TierOptions
+from ..requests import LoadRequest, SaveRequest
 from ..saving.saver import Saver
-from .layout import SPARE_DIR, MemoryLayout, dir_bytes, recycle_into, remove_tree, retain_steps
+from .agreement import Agreement, StepAgreement
+from .layout import SPARE_DIR, MemoryLayout, copy_dir, dir_bytes, recycle_into, remove_tree, retain_steps
 from .peer import PeerCopier
 from .placement import Placement
 from .recovery import Recovery, RecoveryResult
 from .signals import PreemptionNotice
 
-__all__ = ["Tiers", "Agreement", "finish_all"]
+__all__ = ["Tiers", "finish_all"]
 
 log = logging.getLogger("unickpt")
 
@@ -60,28 +59,6 @@ MAX_SPARES = 1  # data files of removed copies kept for the next memory save (in
 # pipelined agreement and the saves in flight are a few steps; the bound is for a rank that never
 # finishes a memory save (its failures would otherwise make every other rank keep every copy)
 MAX_UNSETTLED = 8
-
-
-@dataclass(frozen=True)
-class Agreement:
-    """The outcome of one step's agreement: ``preempt`` (some rank received a preemption notice; equal
-    on every rank), ``watermark`` (the newest step that every rank has committed in tier 0 and, with
-    tier 1, whose peer copy its holder has received; or None), ``seconds`` (this rank's time in the
-    call) and ``finished`` (the newest step every rank has committed in tier 0, or None; at least
-    ``watermark``). The two steps are lower bounds, at most a step old (pipelined; a rank may see the
-    newer of two all-reduces, so they may differ by a step between ranks), and only grow."""
-
-    preempt: bool
-    watermark: int | None
-    seconds: float
-    finished: int | None = None
-
-
-def _agreement(t: torch.Tensor, seconds: float) -> Agreement:
-    """An :class:`Agreement` from an all-reduced ``[flag, -finished, -watermark]`` (MAX of the negated
-    contributions: the minimum over the ranks)."""
-    flag, finished, watermark = bool(t[0].item()), -int(t[1].item()), -int(t[2].item())
-    return Agreement(flag, watermark if watermark >= 0 else None, seconds, finished if finished >= 0 else None)
 
 
 class _Done:
@@ -127,10 +104,9 @@ class Tiers:
         self._lock = threading.Lock()
         self._retain_lock = threading.Lock()
         self.skipped = 0  # memory saves skipped (no room, or a failure)
-        self.agree_s: deque = deque(maxlen=1000)  # seconds of the recent agreements
-        self.last_agreement: Agreement | None = None
-        self._agreeing = False  # between start_agreement and finish_agreement: last_agreement is stale
-        self._in_flight: tuple | None = None  # (tensor, work): the all-reduce posted for the next step
+        self.steps = StepAgreement(self.comm, self.notice, self._contribution,
+                                   self._retain if self.memory else None, self._lock)
+        self.agree_s: deque = self.steps.seconds  # seconds of the recent agreements
         self.closed = False
         if self.memory:
             self.layout.ensure(self.node)
@@ -163,80 +139,22 @@ class Tiers:
         return own, own
 
     def agree(self) -> Agreement:
-        """Caller's thread, every step (**1 collective**: an all-reduce of 3 int64 on the private plan
-        group): has any rank received a preemption notice, and the job's memory watermarks."""
+        """Caller's thread, every step (**1 collective**, :mod:`.agreement`): has any rank received a
+        preemption notice, and the job's memory watermarks."""
         return self.finish_agreement(self.start_agreement())
 
     def start_agreement(self) -> tuple:
-        """The first half of :meth:`agree`: post this step's all-reduce (asynchronously) with this
-        rank's flag and watermark contribution now.
-
-        Pipelined (more than one rank): the all-reduce posted at one step is finished at the *next*
-        step's :meth:`finish_agreement`, so its latency (about 1 ms for 4 gloo ranks on this machine's
-        2 cores) hides behind a training step instead of adding to it; a notice is acted on by every
-        rank at the same step, one step after it entered an all-reduce, and the watermarks are a step
-        old (older is safe: retention only keeps more copies). The first call also posts one that it
-        finishes itself (so the first step's agreement is current). One rank: no collective, current
-        values. When the due all-reduce has completed (normally), retention runs here already, before
-        this step's memory save (and again in :meth:`finish_agreement`)."""
-        t0 = time.perf_counter()
-        with self._lock:
-            self._agreeing = True
-        own, both = self._contribution()
-        t = torch.tensor([1 if self.notice.flag else 0, -own, -both], dtype=torch.int64)
-        if self.world_size == 1:
-            return t0, t, None, time.perf_counter() - t0
-        import torch.distributed as dist
-
-        if self._in_flight is None:  # the first step: one to finish now, one for the next step
-            now = t.clone()
-            due = (now, dist.all_reduce(now, op=dist.ReduceOp.MAX, group=self.comm.plan_group, async_op=True))
-        else:
-            due = self._in_flight
-        nxt = t.clone()
-        self._in_flight = (nxt, dist.all_reduce(nxt, op=dist.ReduceOp.MAX, group=self.comm.plan_group,
-                                                async_op=True))
-        posted = time.perf_counter() - t0
-        if self.memory and due[1].is_completed():
-            # normally complete (posted a step ago): retention now, before this step's copy, which then
-            # reuses a removed copy's file instead of new memory
-            due[1].wait()
-            self._retain(_agreement(due[0], 0.0))
-        return t0, due[0], due[1], posted
+        """The first half of :meth:`agree`: :meth:`~unickpt.tiers.agreement.StepAgreement.start`."""
+        return self.steps.start()
 
     def finish_agreement(self, pending: tuple) -> Agreement:
-        """The second half of :meth:`agree`: wait for the due all-reduce (posted a step ago: normally
-        complete), then retention. ``seconds`` of the agreement counts the posting and this wait, not
-        what ran between them. The watermarks come from the all-reduce posted at this step instead when
-        it has completed already (the ranks are in step): fresher lower bounds, so that retention keeps
-        fewer copies; the flag is always the due one's (every rank acts on a notice at the same step)."""
-        _, t, work, posted = pending
-        t1 = time.perf_counter()
-        if work is not None:
-            work.wait()
-        fresh = self._in_flight
-        if work is not None and fresh is not None and fresh[1].is_completed():
-            fresh[1].wait()  # complete: returns at once
-            t = torch.cat([t[:1], torch.minimum(t[1:], fresh[0][1:])])  # the newer steps (negated)
-        seconds = posted + time.perf_counter() - t1
-        self.agree_s.append(seconds)
-        agreement = _agreement(t, seconds)
-        with self._lock:
-            self.last_agreement, self._agreeing = agreement, False
-        if self.memory:
-            self._retain(agreement)
-        return agreement
+        """The second half of :meth:`agree`: :meth:`~unickpt.tiers.agreement.StepAgreement.finish`."""
+        return self.steps.finish(pending)
 
-    def _drain_agreement(self, timeout_s: float = 30.0) -> None:
-        """Wait for the all-reduce posted for the next step (every rank posted it), before the group goes."""
-        pending, self._in_flight = self._in_flight, None
-        if pending is not None:
-            import datetime
-
-            try:
-                pending[1].wait(datetime.timedelta(seconds=timeout_s))
-            except Exception as e:  # a peer is gone: its group is closed below anyway
-                log.warning("unickpt: the last tier agreement did not complete: %s", e)
+    @property
+    def last_agreement(self) -> Agreement | None:
+        """The newest agreement (None before the first)."""
+        return self.steps.last
 
     def _busy(self, path: str) -> bool:
         assert self.saver is not None
@@ -316,7 +234,7 @@ class Tiers:
         path = self.layout.step_dir("own", self.rank, self.world_size, step)
         handle: Any = None
         limit = self.options.memory_limit_bytes
-        if os.path.exists(os.path.join(path, "metadata.json")):
+        if copy_dir(path).is_committed():
             handle = _Done()  # restored or saved before: the copy is there
         elif limit is not None and self._held() + self._copy_bytes(state) > limit:
             self.skipped += 1
@@ -326,9 +244,9 @@ class Tiers:
         else:
             extra = {"tier": {"kind": "memory", "rank": self.rank, "world_size": self.world_size, "node": self.node}}
             try:
-                handle = self.saver.save(path, state, async_save=True, step=int(step), extra=extra,
-                                         on_commit=lambda s=int(step): self._committed(s), allow_pickle=allow_pickle,
-                                         options=self.memory_options)
+                handle = self.saver.save(SaveRequest(path, async_save=True, step=int(step), extra=extra,
+                                                     allow_pickle=allow_pickle, options=self.memory_options,
+                                                     on_commit=lambda s=int(step): self._committed(s)), state)
                 self._handles.append(handle)
             except Exception as e:
                 self.skipped += 1
@@ -343,9 +261,9 @@ class Tiers:
         """Commit thread: a memory save committed; the copies it replaces go (with the last watermark)."""
         with self._lock:
             self._own_newest = max(self._own_newest, step)
-            if self._agreeing:  # a newer watermark is on its way: finish_agreement retains with it
+            if self.steps.agreeing:  # a newer watermark is on its way: finish_agreement retains with it
                 return
-            last = self.last_agreement
+            last = self.steps.last
         try:
             self._retain(last, own_only=True)
         except OSError as e:  # pragma: no cover - retention is retried at the next step
@@ -392,7 +310,7 @@ class Tiers:
 
         def load_copy(path: str) -> LoadStats:
             target = state(path) if callable(state) else state
-            stats = loader.load(path, target, strict=strict, allow_pickle=allow_pickle, options=opts)
+            stats = loader.load(LoadRequest(path, strict=strict, allow_pickle=allow_pickle, options=opts), target)
             loaded["state"] = target
             return stats
 
@@ -428,7 +346,7 @@ class Tiers:
         self.closed = True
         idle = True
         try:
-            self._drain_agreement()
+            self.steps.drain()
             self._reap(wait=True)
             if self.peer is not None:
                 idle = self.peer.close(timeout)

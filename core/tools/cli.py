@@ -17,7 +17,7 @@ import sys
 from typing import Any, Callable, Iterator, Sequence
 
 from ..errors import RankFailuresError, UnickptError
-from ..format.metadata import read_metadata
+from ..lifecycle.directory import CheckpointDir
 from ..lifecycle.root import list_checkpoints
 from ..storage import open_storage
 from .diff import diff_checkpoints
@@ -76,12 +76,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if storage.exists(args.path) and not storage.isdir(args.path):
         raise UnickptError(f"{args.path!r} is a file, not a checkpoint directory (a Lightning .ckpt written by "
                            "UnickptCheckpointIO packs one: load it with Lightning, or `unickpt import` other files)")
-    if not storage.exists(storage.join(args.path, "metadata.json")) and list_checkpoints(args.path):
+    ckpt = CheckpointDir(storage, args.path)
+    if not ckpt.is_committed() and list_checkpoints(args.path):
         raise UnickptError(f"{args.path!r} is a checkpoint root, not a checkpoint; "
                            f"see `unickpt ls {args.path}` and inspect one of its step_<N> directories")
-    meta = read_metadata(storage, args.path)
+    meta = ckpt.read_metadata()
     if args.json:
-        print(storage.read_bytes(storage.join(args.path, "metadata.json")).decode())
+        print(ckpt.metadata_bytes().decode())
         return 0
     total = sum(t.nbytes for t in meta.tensors.values())
     print(f"checkpoint  {args.path}")
@@ -165,8 +166,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     if not rows:
-        hint = " (it is a checkpoint itself: see `unickpt inspect`)" if storage.exists(
-            storage.join(args.root, "metadata.json")) else ""
+        hint = " (it is a checkpoint itself: see `unickpt inspect`)" if CheckpointDir(
+            storage, args.root).is_committed() else ""
         print(f"no checkpoints under {args.root}{hint}")
         return 0
     if run is not None:

@@ -77,7 +77,7 @@ def _max_abs_diff(xa: torch.Tensor, xb: torch.Tensor) -> float | int:
 
 
 class _StateSource:
-    """A checkpoint of another format (see :mod:`unickpt.importers`), read whole, seen as a
+    """A checkpoint of another format (see :mod:`unickpt.tools.importers`), read whole, seen as a
     :class:`CheckpointReader`: the fqns and plain values are those a save of it would produce."""
 
     def __init__(self, path: str, allow_pickle: bool):
@@ -109,7 +109,7 @@ class _StateSource:
 def open_checkpoint(path: str, storage_options: dict | None = None, *,
                     allow_pickle: bool = False) -> CheckpointReader | _StateSource:
     """A unickpt checkpoint as a :class:`CheckpointReader`; else, when ``path`` is a local
-    checkpoint of a format :func:`unickpt.importers.detect_source` knows (torch, safetensors, HF,
+    checkpoint of a format :func:`unickpt.tools.importers.detect_source` knows (torch, safetensors, HF,
     DCP, Megatron, DeepSpeed), that checkpoint read whole into memory. Raises the unickpt reader's
     error (e.g. CheckpointNotFoundError) when it is neither."""
     try:

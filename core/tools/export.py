@@ -34,20 +34,13 @@ import torch
 
 from ..errors import CheckpointNotFoundError, UnickptError
 from ..format.dtypes import str_to_dtype
+from ..interop.sources import SAFETENSORS_DTYPES
 from ..loading.checks import not_a_checkpoint
 from ..storage import open_storage
 from .reader import CheckpointReader
 
 __all__ = ["ExportResult", "export_checkpoint", "parse_size", "parse_dtype", "select_keys", "SAFETENSORS_DTYPES"]
 
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-    torch.float8_e5m2fnuz: "F8_E5M2FNUZ", torch.complex64: "C64",
-}
-"""torch dtype -> safetensors dtype name (the table of ``safetensors.torch`` 0.8)."""
 
 _DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
                 "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
@@ -233,15 +226,15 @@ def export_checkpoint(path: str, out: str, *, format: str = "safetensors", max_s
     cast = parse_dtype(dtype)
     extra_files: dict[str, bytes] = {}
     if to is not None:
-        from ..loading.convert import locate_checkpoint
-        from .convert import get_conversion
+        from ..interop.conversion import get_conversion
+        from ..interop.locate import locate_checkpoint
 
         if keys is not None:
             raise UnickptError("--keys selects stored names; with --to the conversion names the tensors")
         conv = get_conversion("export", to)
         path = locate_checkpoint(path, open_storage(path, storage_options))
         reader = _open_reader(path, storage_options, verify)
-        plan = conv.run(reader, dict(model_config or {}))
+        plan = conv.export(reader, dict(model_config or {}))
         tensors, extra_files = _Tensors(reader, resolved=plan.tensors), dict(plan.files)
     else:
         reader = _open_reader(path, storage_options, verify)
@@ -325,9 +318,9 @@ def export_checkpoint(path: str, out: str, *, format: str = "safetensors", max_s
             result.extra_files.append(name)
         if index is not None:
             doc = {"metadata": {"total_size": result.total_bytes}, "weight_map": dict(sorted(result.weight_map.items()))}
-            with open(os.path.join(out, index), "w") as f:
-                json.dump(doc, f, indent=2)
-                f.write("\n")
+            with open(os.path.join(out, index), "w") as index_file:
+                json.dump(doc, index_file, indent=2)
+                index_file.write("\n")
     except BaseException:  # never leave part of a model behind (shards without their index)
         for final in done:
             with contextlib.suppress(OSError):
@@ -359,7 +352,7 @@ def _write_safetensors(file: str, tensors: _Tensors, shard: list[str], out_dtype
             if t.dtype != out_dtypes[n]:  # cannot happen: guards the header's promise
                 raise UnickptError(f"{tensors.label(n)!r}: read as {t.dtype}, the header says {out_dtypes[n]}")
             if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)  # its bytes, not copied
             advance(header[n]["data_offsets"][1] - header[n]["data_offsets"][0])
             del t
         f.flush()

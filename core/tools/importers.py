@@ -13,13 +13,17 @@ torch          a ``torch.save`` file (nested dicts, tensors, plain values)    ar
 dcp            a ``torch.distributed.checkpoint`` directory (``.metadata``)   always
 megatron       a Megatron-core ``torch_dist`` checkpoint: a DCP directory     always
                plus ``common.pt`` and a ``metadata.json`` naming the backend
+               (:mod:`unickpt.megatron.torch_dist_import`, a plugin source)
 deepspeed      a DeepSpeed ZeRO checkpoint (``save_dir`` with ``latest``, or  always
                one tag directory); model weights consolidated to fp32
                (:mod:`unickpt.deepspeed.zero_import`, a plugin source)
 =============  =============================================================  ==============
 
-Framework plugins add sources through the entry-point group ``unickpt.sources`` (a :class:`Source`
-each), so this module names no framework.
+Framework plugins add sources through the entry-point group ``unickpt.sources`` (a
+:class:`~unickpt.interop.Source` each; :mod:`unickpt.interop.sources` also holds the readers of the
+built-in kinds), so this module names no framework. A plugin's source is detected before the built-in
+kinds but Hugging Face folders (a Megatron directory is also a DCP directory; loading the plugins'
+sources imports their packages, megatron-core's included, so an HF folder is recognized first).
 
 "needs pickle": reading it runs Python's unpickler, which can execute code, so it is refused unless
 ``allow_pickle=True`` (``--allow-pickle``). ``.bin`` and ``torch`` files are read with
@@ -33,9 +37,7 @@ everything under one key (``prefix="model"`` gives fqns ``model.<name>``, to loa
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
 import os
 import re
 import sys
@@ -45,54 +47,22 @@ from typing import Any
 import torch
 
 from ..errors import UnickptError, UnsafeObjectError
-from ..format.layout import METADATA_FILE
-from ..format.metadata import FORMAT_NAME
-from .export import SAFETENSORS_DTYPES
+from ..lifecycle.directory import CheckpointDir
+from ..storage.local import LocalStorage
+from ..interop import entry_points
+from ..interop.sources import load_safetensors, plugin_sources, read_dcp, read_hf, torch_load
 
-__all__ = ["SOURCES", "Source", "plugin_sources", "ImportResult", "detect_source", "read_source",
-           "import_checkpoint", "load_safetensors", "trainer_state_files"]
+__all__ = ["SOURCES", "ImportResult", "detect_source", "read_source", "import_checkpoint", "load_safetensors",
+           "trainer_state_files"]
 
 log = logging.getLogger("unickpt")
 
-BUILTIN_SOURCES = ("safetensors", "hf", "torch", "dcp", "megatron")
-_PICKLE_ONLY = {"dcp": "its .metadata file is a pickle", "megatron": "its .metadata and common.pt are pickles"}
-
-
-@dataclass(frozen=True)
-class Source:
-    """A checkpoint kind that a framework plugin teaches ``unickpt import`` (entry-point group
-    ``unickpt.sources``; the entry point names a :class:`Source` object).
-
-    Attributes:
-        name: the kind (``--source`` value).
-        detect: ``detect(src) -> bool``: whether the directory ``src`` holds this kind.
-        read: ``read(src, tag) -> dict``: the state (tensors on the CPU, plain values).
-        needs_pickle: why reading it runs the unpickler (None: it never does).
-    """
-
-    name: str
-    detect: Any
-    read: Any
-    needs_pickle: str | None = None
-
-
-def plugin_sources() -> dict[str, Source]:
-    """The :class:`Source` objects of the installed plugins (entry-point group ``unickpt.sources``); a
-    plugin whose framework is not installed is left out."""
-    from importlib.metadata import entry_points
-
-    out: dict[str, Source] = {}
-    for ep in entry_points(group="unickpt.sources"):
-        try:
-            source = ep.load()
-        except ImportError:
-            continue
-        out[source.name] = source
-    return out
+BUILTIN_SOURCES = ("safetensors", "hf", "torch", "dcp")
+_PICKLE_ONLY = {"dcp": "its .metadata file is a pickle"}
 
 
 def _sources() -> tuple[str, ...]:
-    return BUILTIN_SOURCES + tuple(sorted(set(plugin_sources()) - set(BUILTIN_SOURCES)))
+    return BUILTIN_SOURCES + tuple(sorted(set(entry_points.entry_points("unickpt.sources")) - set(BUILTIN_SOURCES)))
 
 
 def __getattr__(name: str) -> Any:
@@ -118,14 +88,6 @@ class ImportResult:
         return dict(self.__dict__)
 
 
-def _json_file(path: str) -> Any:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 def detect_source(src: str) -> str:
     """The kind of checkpoint at ``src`` (one of :data:`SOURCES`). Raises UnickptError naming what
     was looked for when it is none of them, or when ``src`` is already a unickpt checkpoint."""
@@ -134,151 +96,19 @@ def detect_source(src: str) -> str:
     if os.path.isfile(src):
         return "safetensors" if src.endswith(".safetensors") else "torch"
     names = set(os.listdir(src))
-    meta = _json_file(os.path.join(src, METADATA_FILE)) if METADATA_FILE in names else None
-    if isinstance(meta, dict) and meta.get("format") == FORMAT_NAME:
+    if CheckpointDir(LocalStorage(), src).is_unickpt():
         raise UnickptError(f"{src!r} is already a unickpt checkpoint")
-    if isinstance(meta, dict) and "sharded_backend" in meta:
-        return "megatron"
-    if ".metadata" in names:
-        return "dcp"
     if names & {"model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"}:
         return "hf"
-    plugins = plugin_sources()
+    plugins = plugin_sources()  # before DCP: a Megatron torch_dist directory is a DCP directory plus its own files
     for name, source in plugins.items():
         if source.detect(src):
             return name
+    if ".metadata" in names:
+        return "dcp"
     raise UnickptError(f"{src!r}: not a checkpoint this tool can import (looked for a .safetensors or torch.save file, "
-                       "a DCP .metadata, a Megatron metadata.json, HF model files"
+                       "a DCP .metadata, HF model files"
                        + "".join(f", {n}" for n in sorted(plugins)) + ")")
-
-
-def _torch_load(path: str, allow_pickle: bool) -> Any:
-    """``torch.load`` on the CPU, memory-mapped when the file is in the zip format.
-
-    Raises UnickptError naming ``path`` when it is not a ``torch.save`` file (neither a zip archive
-    nor a pickle stream; checked before any unpickling) or cannot be read as one (truncated, corrupt),
-    UnsafeObjectError when it holds objects beyond tensors and containers and not ``allow_pickle``."""
-    with open(path, "rb") as f:
-        head = f.read(4)
-    # torch.save writes a zip archive (PK\x03\x04; torch >= 1.6) or, legacy, pickles starting with PROTO (0x80)
-    if head != b"PK\x03\x04" and head[:1] != b"\x80":
-        raise UnickptError(f"{path}: not a torch.save file (it starts with {head!r}, not a zip archive or a pickle)")
-    try:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=not allow_pickle, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            return torch.load(path, map_location="cpu", weights_only=not allow_pickle)
-    except Exception as e:
-        if not allow_pickle and type(e).__name__ == "UnpicklingError":
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UnsafeObjectError(f"{path}: holds objects beyond tensors and containers ({first[:160]}); "
-                                    "rerun with --allow-pickle (allow_pickle=True) if you trust the file") from None
-        first = " ".join(str(e).split())[:200]
-        raise UnickptError(f"{path}: cannot be read as a torch.save file ({type(e).__name__}: {first})") from e
-
-
-def load_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, memory-mapped (copy-on-write), so that importing a model
-    larger than memory reads it page by page while it is saved. Format: an 8-byte little-endian
-    header length, a JSON header ``{name: {"dtype", "shape", "data_offsets": [begin, end]}}``
-    (offsets relative to the end of the header), the raw little-endian bytes
-    (https://github.com/huggingface/safetensors#format). Raises UnickptError for a malformed file."""
-    import numpy as np
-
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 2 or 8 + n > size:
-            raise UnickptError(f"{path}: not a safetensors file (header length {n}, file size {size})")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise UnickptError(f"{path}: the safetensors header is not valid JSON ({e})") from None
-    header.pop("__metadata__", None)
-    base = 8 + n
-    data = np.memmap(path, dtype=np.uint8, mode="c") if size > base else np.zeros(0, dtype=np.uint8)
-    names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-    out = {}
-    for name, info in header.items():
-        dtype = names.get(info.get("dtype"))
-        begin, end = info.get("data_offsets", (None, None))
-        if dtype is None or not isinstance(begin, int) or not isinstance(end, int):
-            raise UnickptError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r} / offsets "
-                               f"{info.get('data_offsets')!r}, which this reader does not know")
-        numel = math.prod(info["shape"])
-        if not 0 <= begin <= end <= size - base or end - begin != numel * dtype.itemsize:
-            raise UnickptError(f"{path}: tensor {name!r} ({dtype}, shape {info['shape']}) has data_offsets "
-                               f"[{begin}, {end}], which do not fit it or the file's {size - base} data bytes")
-        raw = torch.from_numpy(data[base + begin : base + end]) if numel else torch.empty(0, dtype=torch.uint8)
-        out[name] = raw.view(dtype).reshape(info["shape"])
-    return out
-
-
-def _read_hf(src: str, allow_pickle: bool) -> dict:
-    for index, single, loader in (("model.safetensors.index.json", "model.safetensors", load_safetensors),
-                                  ("pytorch_model.bin.index.json", "pytorch_model.bin",
-                                   lambda p: _torch_load(p, allow_pickle))):
-        if os.path.exists(os.path.join(src, index)):
-            doc = _json_file(os.path.join(src, index))
-            if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
-                raise UnickptError(f"{os.path.join(src, index)}: no weight_map (not a Hugging Face index)")
-            state: dict = {}
-            for file in sorted(set(doc["weight_map"].values())):
-                part = loader(os.path.join(src, file))
-                state.update(part)
-            missing = sorted(set(doc["weight_map"]) - set(state))
-            if missing:
-                raise UnickptError(f"{src}: the index names {missing[0]!r} ({len(missing)} in all), which its shards lack")
-            return state
-        if os.path.exists(os.path.join(src, single)):
-            return dict(loader(os.path.join(src, single)))
-    raise UnickptError(f"{src!r}: no model.safetensors(.index.json) or pytorch_model.bin(.index.json)")
-
-
-def _read_dcp(src: str) -> dict:
-    """Every tensor (whole, whatever the saved sharding) and object of a DCP directory, as
-    ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` reads them (no process group)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    if not os.path.isfile(os.path.join(src, ".metadata")):
-        raise UnickptError(f"{src!r} is not a DCP checkpoint directory: it has no .metadata file")
-    try:  # first on its own: torch's loader logs each failed attempt's traceback on the root logger
-        FileSystemReader(src).read_metadata()
-    except Exception as e:  # noqa: BLE001 - a corrupt pickle raises anything
-        raise UnickptError(f"{os.path.join(src, '.metadata')}: not readable as DCP metadata "
-                           f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from e
-    state: dict = {}
-    try:
-        _load_state_dict(state, storage_reader=FileSystemReader(src), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    except Exception as e:  # noqa: BLE001 - below
-        raise UnickptError(f"{src}: reading the DCP checkpoint failed: {' '.join(str(e).split())[:300]}") from e
-    except BaseException as e:  # torch's CheckpointException is a BaseException
-        if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
-            raise
-        lines = [line for line in str(e).splitlines() if line.strip() and not line.startswith(" ")]
-        raise UnickptError(f"{src}: reading the DCP checkpoint failed: {(lines or [type(e).__name__])[-1][:300]}") from e
-    return state
-
-
-def _read_megatron(src: str) -> dict:
-    """Sharded tensors and objects (DCP part, keys as Megatron stored them) plus ``common.pt`` under ``common``."""
-    meta = _json_file(os.path.join(src, METADATA_FILE)) or {}
-    backend = meta.get("sharded_backend")
-    if backend != "torch_dist":
-        raise UnickptError(f"{src}: Megatron sharded_backend {backend!r} is not supported (only 'torch_dist'; "
-                           "zarr checkpoints need megatron-core < 0.16 to convert first)")
-    state = _read_dcp(src)
-    common = os.path.join(src, "common.pt")
-    if os.path.exists(common):
-        if "common" in state:
-            raise UnickptError(f"{src}: a sharded key is named 'common', which would clash with common.pt")
-        state["common"] = _torch_load(common, allow_pickle=True)
-    return state
 
 
 _TRAINER_FILES = re.compile(r"(optimizer|scheduler|scaler)(_\d+)?\.(pt|bin)|rng_state(_\d+)?\.pth|trainer_state\.json"
@@ -313,16 +143,14 @@ def read_source(src: str, source: str | None = None, *, allow_pickle: bool = Fal
     if kind == "safetensors":
         return load_safetensors(src)
     if kind == "hf":
-        return _read_hf(src, allow_pickle)
+        return read_hf(src, allow_pickle)
     if kind == "torch":
-        state = _torch_load(src, allow_pickle)
+        state = torch_load(src, allow_pickle)
         if not isinstance(state, dict):
             state = {"value": state}
         return state
     if kind == "dcp":
-        return _read_dcp(src)
-    if kind == "megatron":
-        return _read_megatron(src)
+        return read_dcp(src)
     assert plugin is not None
     return plugin.read(src, tag)
 
@@ -410,23 +238,24 @@ def _import_as(src: str, out: str, to: str, *, source: str | None, allow_pickle:
                ) -> ImportResult:
     """:func:`import_checkpoint` through the import conversion ``to``."""
     from ..engine import get_engine
+    from ..requests import SaveRequest
     from ..storage import open_storage
-    from .convert import get_conversion
+    from ..interop.conversion import get_conversion
 
     if prefix:
         raise UnickptError("--prefix nests the state under a key; with --to the conversion names the tensors")
     conv = get_conversion("import", to)
     kind = source or detect_source(os.fspath(src))
     state = read_source(src, kind, allow_pickle=allow_pickle, tag=tag)
-    plan = conv.run(state, dict(model_config or {}), os.fspath(src))
+    plan = conv.import_(state, dict(model_config or {}), os.fspath(src))
     storage = open_storage(out, storage_options)
     target = storage.join(out, plan.subdir) if plan.subdir else out
     if plan.files and any(storage.exists(storage.join(out, f)) for f in plan.files):
         raise UnickptError(f"{out!r} already holds {', '.join(f for f in plan.files if storage.exists(storage.join(out, f)))}; "
                            "import into a new directory")
     with contextlib.redirect_stdout(sys.stderr):
-        get_engine(None).save(target, plan.state, storage_options=storage_options, step=step, framework=plan.framework,
-                              extra=plan.extra, allow_pickle=allow_pickle).wait()
+        get_engine(None).save(SaveRequest(target, storage_options=storage_options, step=step, framework=plan.framework,
+                                          extra=plan.extra, allow_pickle=allow_pickle), plan.state).wait()
     for name, data in plan.files.items():  # after the commit; the last one is the outer framework's marker
         storage.write_atomic(storage.join(out, name), data)
     n, nbytes, objects = _count(plan.state)

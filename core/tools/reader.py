@@ -98,6 +98,7 @@ class CheckpointReader:
             if start is not None:
                 self._read_chunk(chunk, flat_bytes[start * isz : start * isz + chunk.byte_length])
                 continue
+            assert isinstance(spec, Box)  # a flat range always has a start
             buf = torch.empty(chunk.byte_length, dtype=torch.uint8)
             self._read_chunk(chunk, buf)
             box = tuple(slice(o, o + n) for o, n in zip(spec.offsets, spec.lengths))
@@ -131,8 +132,10 @@ class CheckpointReader:
                 except IntegrityError as e:
                     raise IntegrityError(f"tensor {fqn!r}: {e}") from e
                 self._last_chunk = (key, buf)
+            chunk_bytes = self._last_chunk[1]
+            assert chunk_bytes is not None  # set with the key above
             isz = out.element_size()
-            src = self._last_chunk[1][piece.elem_offset * isz: (piece.elem_offset + piece.box.numel) * isz]
+            src = chunk_bytes[piece.elem_offset * isz: (piece.elem_offset + piece.box.numel) * isz]
             src = src.view(out.dtype).view(piece.box.lengths)
             src = src[tuple(slice(a - b, a - b + n) for a, b, n in zip(inter.offsets, piece.box.offsets, inter.lengths))]
             dst = out[tuple(slice(a - b, a - b + n) for a, b, n in zip(inter.offsets, box.offsets, inter.lengths))]

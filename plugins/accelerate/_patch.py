@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import unickpt
-from unickpt import Checkpointer, ext
+from unickpt import Checkpointer, ext, interop
 
-from . import _layout
+from . import _folders
 from ._options import Options
 from ._state import build_state, process0_buffers
 
@@ -97,7 +97,7 @@ def wait() -> None:
     being written (by the user, after ``save_state`` returned) is not an error: its target is gone,
     and it is reported as a warning (see :func:`_wait_tracked`)."""
     _wait_tracked()
-    engine = ext.default_engine()
+    engine = ext.EngineHandle.existing()
     if engine is not None:
         engine.wait()
 
@@ -114,7 +114,7 @@ def _track(handle: Any, folder: str) -> None:
 def _target_removed(handle: Any, folder: str) -> bool:
     """True when the save's Accelerate folder or its unickpt root is gone (the save's own directory
     is not looked at: the core removes a failed save's directory itself)."""
-    return not os.path.isdir(_layout.store_root(folder))
+    return not os.path.isdir(_folders.store_root(folder))
 
 
 def _wait_tracked() -> None:
@@ -241,16 +241,16 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
     limit = acc.project_configuration.total_limit
     if acc.project_configuration.automatic_checkpoint_naming and limit is not None:
         checkpoints_dir, keep = _checkpoints_dir(acc), output_dir
-        after = lambda: _layout.rotate(checkpoints_dir, limit, keep, engine.in_flight)  # noqa: E731
+        after = lambda: _folders.rotate(checkpoints_dir, limit, keep, engine.in_flight)  # noqa: E731
     # the unickpt root inside this Accelerate folder keeps its newest committed save only, then runs the
     # total_limit rotation on group rank 0
-    ckpt = Checkpointer(_layout.store_root(output_dir), keep_last=1, on_commit=None if after is None else lambda _: after(),
+    ckpt = Checkpointer(_folders.store_root(output_dir), keep_last=1, on_commit=None if after is None else lambda _: after(),
                         allow_pickle=opts.allow_pickle or not safe_serialization, framework=FRAMEWORK,
                         on_error=opts.on_error)
     step: int | None = None
     try:
         state = build_state(acc, indices, opts, saving=True)  # collective on several processes
-        step = engine.broadcast(_layout.next_step(output_dir) if engine.rank == 0 else None)
+        step = engine.broadcast(_folders.next_step(output_dir) if engine.rank == 0 else None)
         with process0_buffers(acc, indices):  # the snapshot is taken when save() returns
             handle = ckpt.save(step, state, async_save=opts.async_save)
         if after is not None:
@@ -278,9 +278,9 @@ def _rotate_at_return(engine: Any, handle: Any, checkpoints_dir: str, limit: int
     deletes the previous folder, so a failing save never leaves no checkpoint."""
     if limit >= 2:
         if engine.rank == 0:
-            _layout.rotate(checkpoints_dir, limit, output_dir, engine.in_flight)
+            _folders.rotate(checkpoints_dir, limit, output_dir, engine.in_flight)
         return
-    others = [p for _, p in _layout.checkpoint_folders(checkpoints_dir)
+    others = [p for _, p in _folders.checkpoint_folders(checkpoints_dir)
               if os.path.abspath(p) != os.path.abspath(output_dir)]
     if others and not handle.done():
         handle.wait()  # raises the save's failure here, at the call (the folder is then removed)
@@ -291,12 +291,12 @@ def _remove_failed(engine: Any, output_dir: str, step: int | None, error: BaseEx
     agreed by every rank (a bad state, a refused target: the group still works), the other ranks
     wait for it, so that none of them sees the folder in its next ``save_state``."""
     if engine.rank == 0:
-        step_dir = os.path.join(_layout.store_root(output_dir), f"step_{step}")
+        step_dir = os.path.join(_folders.store_root(output_dir), f"step_{step}")
         deadline = time.monotonic() + 30.0
         while step is not None and engine.in_flight(step_dir) and time.monotonic() < deadline:  # winds down
             time.sleep(0.01)
         try:
-            _layout.remove_failed(output_dir)
+            _folders.remove_failed(output_dir)
         except OSError:
             log.exception("unickpt.accelerate: could not remove %s after a failed save", output_dir)
     if isinstance(error, Exception) and not isinstance(error, unickpt.RankFailuresError):
@@ -315,7 +315,7 @@ def _input_dir(acc: Any, input_dir: str | None, engine: Any) -> str:
     if not acc.project_configuration.automatic_checkpoint_naming:
         raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
     checkpoints_dir = _checkpoints_dir(acc)
-    chosen = engine.broadcast(_layout.newest_loadable(checkpoints_dir) if engine.rank == 0 else None)
+    chosen = engine.broadcast(_folders.newest_loadable(checkpoints_dir) if engine.rank == 0 else None)
     if chosen is None:
         raise unickpt.CheckpointNotFoundError(f"load_state: no loadable checkpoint_<N> folder in {checkpoints_dir!r}")
     return chosen
@@ -329,7 +329,7 @@ def _advance_iteration(acc: Any, engine: Any, loaded: int | None) -> None:
     not reused either. Collective."""
     if not acc.project_configuration.automatic_checkpoint_naming:
         return
-    newest = engine.broadcast(_layout.newest_number(_checkpoints_dir(acc)) if engine.rank == 0 else None)
+    newest = engine.broadcast(_folders.newest_number(_checkpoints_dir(acc)) if engine.rank == 0 else None)
     candidates = [n for n in (loaded, newest) if n is not None]
     if candidates:
         acc.project_configuration.iteration = max(candidates) + 1
@@ -337,7 +337,7 @@ def _advance_iteration(acc: Any, engine: Any, loaded: int | None) -> None:
 
 def _foreign_behind(given: str) -> str | None:
     """:func:`_foreign` of ``given`` unless it is a folder of this plugin's or Accelerate's own layout."""
-    if os.path.isdir(given) and _layout.folder_kind(given) != "none":
+    if os.path.isdir(given) and _folders.folder_kind(given) != "none":
         return None
     return _foreign(given)
 
@@ -355,10 +355,10 @@ def _foreign(path: str) -> str | None:
     """The committed unickpt checkpoint another framework wrote behind ``path`` (a Lightning pointer
     file, a DeepSpeed ``save_dir`` or tag, a megatron directory, a ``unickpt.save`` directory), or None."""
     storage = ext.open_storage(path)
-    found = ext.locate_checkpoint(path, storage)
-    if not ext.is_committed(storage, found):
+    found = interop.locate_checkpoint(path, storage)
+    if not ext.CheckpointDir(storage, found).is_committed():
         return None
-    return found if ext.read_metadata(found).framework != FRAMEWORK else None
+    return found if ext.CheckpointDir.open(found).read_metadata().framework != FRAMEWORK else None
 
 
 def _load_foreign(acc: Any, opts: Options, path: str, kwargs: dict) -> None:
@@ -404,14 +404,14 @@ def _load_state(acc: Any, opts: Options, input_dir: str | None, load_kwargs: dic
         if foreign is not None:
             return _load_foreign(acc, opts, foreign, kwargs)
     input_dir = _input_dir(acc, input_dir, engine)
-    kind = engine.broadcast(_layout.folder_kind(input_dir) if engine.rank == 0 else None)
+    kind = engine.broadcast(_folders.folder_kind(input_dir) if engine.rank == 0 else None)
     if kind == "none":
         raise unickpt.CheckpointNotFoundError(
             f"load_state: {input_dir!r} is not a checkpoint: it holds neither a unickpt/ folder nor the files of "
             "Accelerate's own save_state (random_states_<r>.pkl, ...)")
     if kind == "unickpt":  # another process of this host may still be writing it (its save_state returned)
         input_dir = _shared_folder(engine, input_dir, "load_state")
-        engine.broadcast(_layout.wait_for_writer(input_dir) if engine.rank == 0 else None)
+        engine.broadcast(_folders.wait_for_writer(input_dir) if engine.rank == 0 else None)
     if kind == "accelerate":
         log.info("unickpt.accelerate: %s holds no unickpt checkpoint; loading it with Accelerate", input_dir)
         result = _originals["load_state"](acc, input_dir, load_kwargs=load_kwargs, **kwargs)
@@ -435,7 +435,7 @@ def _load_state(acc: Any, opts: Options, input_dir: str | None, load_kwargs: dic
     indices = list(range(len(acc._models))) if fsdp else _kept(original, models)
 
     state = build_state(acc, indices, opts)
-    ckpt = Checkpointer(_layout.store_root(input_dir), allow_pickle=opts.allow_pickle)
+    ckpt = Checkpointer(_folders.store_root(input_dir), allow_pickle=opts.allow_pickle)
     try:
         step = ckpt.load(state, strict=strict)
     except unickpt.UnsafeObjectError as e:
@@ -450,7 +450,7 @@ def _load_state(acc: Any, opts: Options, input_dir: str | None, load_kwargs: dic
         ) from e
     if step is None:
         raise unickpt.CheckpointNotFoundError(
-            f"load_state: {_layout.store_root(input_dir)!r} holds no committed unickpt checkpoint "
+            f"load_state: {_folders.store_root(input_dir)!r} holds no committed unickpt checkpoint "
             "(the save never finished)"
         )
     saved = state["accelerate"]

@@ -10,21 +10,20 @@ the checkpoint inside an Accelerate folder (``<folder>/unickpt/step_<K>``).
 """
 from __future__ import annotations
 
-from typing import Any
 
-from unickpt import ext
+from unickpt import CheckpointMetadata, ext, interop
 
 __all__ = ["AccelerateLayout", "LAYOUT"]
 
 
-class AccelerateLayout(ext.Layout):
+class AccelerateLayout(interop.Layout):
     """The ``accelerate`` layout (see the module docstring)."""
 
     framework = "accelerate"
 
-    def source(self, meta: Any) -> ext.SourceNames:
+    def source(self, meta: CheckpointMetadata) -> interop.SourceNames:
         out = super().source(meta)
-        _, _, objects = ext.saved_leaves(meta.state_tree)
+        _, _, objects = ext.StateTools.saved_leaves(meta.state_tree)
         loader = objects.get("dataloaders.0")
         if isinstance(loader, dict) and isinstance(loader.get("iteration"), int):
             out.plain["epoch"] = loader["iteration"]

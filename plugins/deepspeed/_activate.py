@@ -11,7 +11,7 @@ method with the same arguments. ``DeepSpeedEngine.step`` is wrapped too: after a
 engine whose block sets ``memory_every`` / ``persist_every``, the checkpoint tiers' schedule runs. And
 ``DeepSpeedEngine._configure_checkpointing`` (called by the engine's ``__init__`` right after the optimizer
 is built): an engine that got unickpt's checkpoint engine is checked there
-(:func:`~unickpt.deepspeed.engine.check_supported`), so ``deepspeed.initialize`` refuses what
+(:func:`~unickpt.deepspeed.checkpoint.check_supported`), so ``deepspeed.initialize`` refuses what
 ``save_checkpoint`` would refuse after training.
 
 The unickpt startup hook (:mod:`unickpt._startup`, through this package's ``unickpt.startup`` entry point)
@@ -117,7 +117,9 @@ def _with_tiers(original: Any) -> Any:
         before = self.global_steps
         out = original(self, *args, **kwargs)
         if self.global_steps != before:
-            ckpt.on_step(self)
+            from .checkpoint import memory_state
+
+            ckpt.on_step(self, lambda: memory_state(self, ckpt))
         return out
 
     setattr(step, _MARK, True)
@@ -127,7 +129,7 @@ def _with_tiers(original: Any) -> Any:
 
 def _checked_at_init(original: Any) -> Any:
     """``DeepSpeedEngine._configure_checkpointing``, then, for an engine that got unickpt's checkpoint
-    engine, :func:`~unickpt.deepspeed.engine.check_supported` (raises NotImplementedError out of
+    engine, :func:`~unickpt.deepspeed.checkpoint.check_supported` (raises NotImplementedError out of
     ``deepspeed.initialize``)."""
     if getattr(original, _MARK, False):
         return original
@@ -136,7 +138,7 @@ def _checked_at_init(original: Any) -> Any:
     def configure(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         if getattr(getattr(self, "checkpoint_engine", None), "is_unickpt", False):
-            from .engine import check_supported
+            from .checkpoint import check_supported
 
             check_supported(self)
         return out

@@ -40,11 +40,11 @@ from .engine import finish_all_pending, wait_for_tag
 from .tools import LATEST_UNIVERSAL, copy_recovery_script, model_record
 from .zero_state import ZeroLayout, check_wrapper_state, restore_wrapper_state, wrapper_state, zero_layout
 
-__all__ = ["save_checkpoint", "load_checkpoint", "LATEST_FILE", "FORMAT"]
+__all__ = ["save_checkpoint", "load_checkpoint", "check_supported", "memory_state", "LATEST_FILE", "FORMAT"]
 
 log = logging.getLogger("unickpt.deepspeed")
 
-LATEST_FILE = ext.LATEST_FILE  # ``save_dir/latest``: the tag of the newest committed checkpoint (DeepSpeed's name)
+LATEST_FILE = ext.CheckpointRoot.LATEST_FILE  # ``save_dir/latest``: the tag of the newest committed checkpoint (DeepSpeed's name)
 FORMAT = "unickpt.deepspeed/1"
 REPLACING_SUFFIX = ".unickpt-new"  # ``save_dir/.<tag>.unickpt-new``: a save replacing the committed ``<tag>``
 REPLACED_SUFFIX = ".unickpt-old"  # ``save_dir/.<tag>.unickpt-old``: the replaced copy, removed after the swap
@@ -137,6 +137,21 @@ def _check_supported(engine: Any) -> None:
         raise NotImplementedError("unickpt.deepspeed: NVMe optimizer offload is not supported")
 
 
+def check_supported(engine: Any) -> None:
+    """Refuse, while ``deepspeed.initialize`` builds ``engine``, a configuration that ``save_checkpoint``
+    would refuse: the same checks, run once the optimizer wrapper exists (right after
+    ``DeepSpeedEngine._configure_checkpointing``, ``runtime/engine.py:696``, which follows
+    ``_configure_optimizer``; called by :mod:`unickpt.deepspeed._activate`).
+
+    Raises:
+        NotImplementedError: what :func:`_check_supported` and :func:`unickpt.deepspeed.zero_state.zero_layout`
+            raise (an optimizer wrapper the plugin does not know, no optimizer, NVMe offload, ...); the
+            message names it and says to remove the ``"unickpt"`` block.
+    """
+    _check_supported(engine)
+    zero_layout(engine)
+
+
 # -- save -----------------------------------------------------------------------------------------
 def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict | None = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
@@ -173,15 +188,15 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     uengine = ext.engine()
     wait_for_tag(save_dir, tag)  # the same tag twice in a row: the earlier save must finish first
     target = path
-    if storage.exists(storage.join(path, ext.METADATA_FILE)):  # DeepSpeed overwrites an existing tag
+    if ext.CheckpointDir(storage, path).is_committed():  # DeepSpeed overwrites an existing tag
         if uengine.rank == 0:
             log.warning("unickpt.deepspeed: replacing the committed checkpoint %s (same tag)", path)
         if storage.is_local:  # save beside it; swapped in at the commit, so a failed save leaves it intact
             target = _sibling(path, REPLACING_SUFFIX)
             if uengine.rank == 0:
-                storage.rm(target)  # left by a replacement that crashed before its swap
+                ext.CheckpointDir(storage, target).remove()  # left by a replacement that crashed before its swap
         elif uengine.rank == 0:  # no atomic directory rename on object stores: the old copy goes first
-            storage.rm(path)
+            ext.CheckpointDir(storage, path).remove()  # uncommitted first: never a half-removed loadable copy
         torch.distributed.barrier()
 
     def on_commit() -> None:  # group rank 0, right after metadata.json landed
@@ -232,7 +247,7 @@ def _encode_client_state(client_state: dict, allow_pickle: bool) -> Any:
     """``client_state`` as tagged JSON. Raises UnsafeObjectError naming the innermost offending key
     (``client_state.opt.fn``, ``client_state.hist[2]``) when a value needs pickle and it is not allowed."""
     try:
-        return ext.encode(client_state, allow_pickle=allow_pickle, key="client_state")
+        return ext.Codec.encode(client_state, allow_pickle=allow_pickle, key="client_state")
     except UnsafeObjectError:
         _raise_at_unsafe(client_state, "client_state")
         raise
@@ -245,7 +260,7 @@ def _raise_at_unsafe(value: Any, key: str) -> None:
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             _raise_at_unsafe(v, f"{key}[{i}]")
-    ext.encode(value, allow_pickle=False, key=key)
+    ext.Codec.encode(value, allow_pickle=False, key=key)
 
 
 def _save_state(engine: Any, uengine: Any, cfg: Any, target: str, tag: str, client_enc: Any,
@@ -293,8 +308,8 @@ def _state(engine: Any, client_enc: Any, exclude_frozen: bool) -> dict:
         "module": _module_state(engine, layout, exclude_frozen),
         "optimizer": {
             **_optimizer_state(layout, state_keys, with_moments=True),
-            "scalars": ext.encode(scalars, allow_pickle=False, key="optimizer.scalars"),
-            "param_groups": ext.encode([{k: v for k, v in g.items() if k != "params"}
+            "scalars": ext.Codec.encode(scalars, allow_pickle=False, key="optimizer.scalars"),
+            "param_groups": ext.Codec.encode([{k: v for k, v in g.items() if k != "params"}
                                           for g in layout.base.param_groups], allow_pickle=False,
                                          key="optimizer.param_groups"),
         },
@@ -303,7 +318,7 @@ def _state(engine: Any, client_enc: Any, exclude_frozen: bool) -> dict:
     }
     wrapper = wrapper_state(layout)
     if wrapper:  # fp16: the loss scaler and the wrapper's flags
-        state["optimizer"]["wrapper"] = ext.encode(wrapper, allow_pickle=False, key="optimizer.wrapper")
+        state["optimizer"]["wrapper"] = ext.Codec.encode(wrapper, allow_pickle=False, key="optimizer.wrapper")
     if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict"):
         state["lr_scheduler"] = engine.lr_scheduler
     return state
@@ -320,7 +335,7 @@ def _swap_in(storage: ext.StorageBackend, new: str, path: str) -> None:
     with two directory renames (the old copy is removed only after the new one is in place)."""
     final = storage.strip(path)
     old = _sibling(final, REPLACED_SUFFIX)
-    storage.rm(old)
+    ext.CheckpointDir(storage, old).remove()
     os.rename(final, old)
     os.rename(storage.strip(new), final)
     dfd = os.open(os.path.dirname(final), os.O_RDONLY)
@@ -328,7 +343,7 @@ def _swap_in(storage: ext.StorageBackend, new: str, path: str) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
-    storage.rm(old)
+    ext.CheckpointDir(storage, old).remove()
 
 
 # -- load -----------------------------------------------------------------------------------------
@@ -401,15 +416,15 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
             return None, None
     tag = _agreed_tag(engine, str(tag), "loads")
     path = storage.join(load_dir, tag)
-    if storage.is_local and not storage.exists(storage.join(path, ext.METADATA_FILE)):
+    if storage.is_local and not ext.CheckpointDir(storage, path).is_committed():
         for suffix in (REPLACING_SUFFIX, REPLACED_SUFFIX):  # a crash between the renames of _swap_in
             alt_path = _sibling(path, suffix)
-            if storage.exists(storage.join(alt_path, ext.METADATA_FILE)):
+            if ext.CheckpointDir(storage, alt_path).is_committed():
                 log.warning("unickpt.deepspeed: %s is missing (a replacement was interrupted); loading %s",
                             path, alt_path)
                 path = alt_path
                 break
-    if not storage.exists(storage.join(path, ext.METADATA_FILE)) and _is_native_deepspeed(storage, path):
+    if not ext.CheckpointDir(storage, path).is_committed() and _is_native_deepspeed(storage, path):
         from deepspeed.runtime.engine import DeepSpeedEngine
 
         log.info("unickpt.deepspeed: %s is a DeepSpeed-native checkpoint; loading it with DeepSpeed", path)
@@ -417,7 +432,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
         return original(engine, load_dir, tag=tag, load_module_strict=load_module_strict,
                         load_optimizer_states=load_optimizer_states,
                         load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
-    meta = ext.read_metadata(path, cfg.storage_options or None)  # CheckpointNotFoundError when uncommitted or absent
+    meta = ext.CheckpointDir.open(path, cfg.storage_options or None).read_metadata()  # CheckpointNotFoundError when uncommitted or absent
     if meta.framework != "deepspeed":
         raise StateMismatchError(
             f"{path!r} was written by {meta.framework or 'unickpt.save'}; a DeepSpeed engine loads DeepSpeed "
@@ -433,7 +448,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     finally:
         if engine._optimizer_has_ckpt_event_epilogue():
             engine.optimizer.checkpoint_event_epilogue()
-    return path, ext.decode(client_enc, allow_pickle=cfg.allow_pickle, key="client_state")
+    return path, ext.Codec.decode(client_enc, allow_pickle=cfg.allow_pickle, key="client_state")
 
 
 def _is_pipeline(engine: Any) -> bool:
@@ -470,7 +485,7 @@ def _check_pipeline_stages(engine: Any, meta: Any, path: str, load_module_strict
     and fp32 masters against the checkpoint (:func:`_load_target`), and a StateMismatchError of any
     rank is raised on every rank, naming each failing rank and its keys (no rank waits in the load)."""
     saved_tensors = set(meta.tensors) | set(meta.aliases)
-    _, _, saved_objects = ext.saved_leaves(meta.state_tree)
+    _, _, saved_objects = ext.StateTools.saved_leaves(meta.state_tree)
     error = None
     try:
         _load_target(engine, zero_layout(engine), path, saved_tensors, saved_objects, [], False, load_module_strict,
@@ -494,17 +509,17 @@ def _load_from_memory(engine: Any, storage: Any, load_dir: str, load_module_stri
     persisted = None
     if latest is not None:
         try:
-            persisted = ext.read_metadata(storage.join(load_dir, latest), cfg.storage_options or None).step
+            persisted = ext.CheckpointDir.open(storage.join(load_dir, latest), cfg.storage_options or None).read_metadata().step
         except Exception:  # a native or damaged tag: memory decides alone  # noqa: BLE001
             persisted = None
     persisted = ext.engine().broadcast(persisted)
     chosen: dict = {}
 
     def target(path: str) -> dict:
-        meta = ext.read_metadata(path)
+        meta = ext.CheckpointDir.open(path).read_metadata()
         layout = zero_layout(engine)
         saved_tensors = set(meta.tensors) | set(meta.aliases)
-        _, _, saved_objects = ext.saved_leaves(meta.state_tree)
+        _, _, saved_objects = ext.StateTools.saved_leaves(meta.state_tree)
         prefix = "optimizer.state."
         state_keys = sorted({f[len(prefix):].split(".", 1)[0] for f in saved_tensors if f.startswith(prefix)})
         with_moments = load_optimizer_states
@@ -531,7 +546,7 @@ def _load_from_memory(engine: Any, storage: Any, load_dir: str, load_module_stri
             engine.optimizer.checkpoint_event_epilogue()
     if tiers.rank == 0:
         log.info("unickpt.deepspeed: restored global step %d from the memory tiers (%s)", step, stats.tier)
-    return chosen["path"], ext.decode(state["client_state"], allow_pickle=cfg.allow_pickle, key="client_state")
+    return chosen["path"], ext.Codec.decode(state["client_state"], allow_pickle=cfg.allow_pickle, key="client_state")
 
 
 def _apply_loaded(engine: Any, layout: ZeroLayout, path: str, state: dict, with_moments: bool,
@@ -541,7 +556,7 @@ def _apply_loaded(engine: Any, layout: ZeroLayout, path: str, state: dict, with_
     if with_moments:
         _restore_optimizer_scalars(layout, path, state["optimizer"]["scalars"], state["optimizer"]["param_groups"])
         if state["optimizer"].get("wrapper") is not None:
-            wrapper = ext.decode(state["optimizer"]["wrapper"], key="optimizer.wrapper")
+            wrapper = ext.Codec.decode(state["optimizer"]["wrapper"], key="optimizer.wrapper")
             dropped = restore_wrapper_state(layout, wrapper)
             if dropped:
                 log.warning("unickpt.deepspeed: %s: this engine's %s has no place for the saved loss-scaler fields "
@@ -563,7 +578,7 @@ def _load_state(engine: Any, meta: Any, path: str, load_module_strict: bool, loa
     cfg = ckpt.config
     layout = zero_layout(engine)
     saved_tensors = set(meta.tensors) | set(meta.aliases)
-    _, _, saved_objects = ext.saved_leaves(meta.state_tree)
+    _, _, saved_objects = ext.StateTools.saved_leaves(meta.state_tree)
     with_moments = load_optimizer_states and not load_module_only
     prefix = "optimizer.state."
     state_keys = sorted({f[len(prefix):].split(".", 1)[0] for f in saved_tensors if f.startswith(prefix)})
@@ -617,7 +632,7 @@ def _load_target(engine: Any, layout: ZeroLayout, path: str, saved_tensors: set,
     if restore_sched:
         state["lr_scheduler"] = engine.lr_scheduler
 
-    flat = ext.flatten(state, for_load=True)
+    flat = ext.StateTools.flatten(state, for_load=True)
     missing = sorted(set(flat.tensors) - saved_tensors) + sorted(
         f for f in flat.objects if f not in saved_objects and not f.startswith("lr_scheduler"))
     unexpected = sorted(f for f in saved_tensors if f.startswith("module.") and f not in flat.tensors
@@ -688,13 +703,13 @@ def _saved_plain(saved_objects: dict, fqn: str, twice: bool = False) -> Any:
     """A plain value of the checkpoint's state tree, decoded (``twice``: the plugin encoded it itself)."""
     if fqn not in saved_objects:
         return None
-    value = ext.decode(saved_objects[fqn], key=fqn)
-    return ext.decode(value, key=fqn) if twice else value
+    value = ext.Codec.decode(saved_objects[fqn], key=fqn)
+    return ext.Codec.decode(value, key=fqn) if twice else value
 
 
 def _restore_optimizer_scalars(layout: ZeroLayout, path: str, scalars_enc: Any, groups_enc: Any) -> None:
-    scalars = ext.decode(scalars_enc, key="optimizer.scalars")
-    groups = ext.decode(groups_enc, key="optimizer.param_groups")
+    scalars = ext.Codec.decode(scalars_enc, key="optimizer.scalars")
+    groups = ext.Codec.decode(groups_enc, key="optimizer.param_groups")
     scalars = _scalars_for(layout, path, scalars)
     if len(groups) != len(layout.base.param_groups):
         raise StateMismatchError(f"{path!r}: 'optimizer.param_groups': the checkpoint has {len(groups)} param "

@@ -14,9 +14,8 @@ checkpoint engine:
 - the per-file ``save`` / ``load`` DeepSpeed still uses outside ``save_checkpoint`` (for example
   ``save_16bit_model``): plain ``torch.save`` / ``torch.load``, as DeepSpeed's TorchCheckpointEngine.
 
-:func:`check_supported` is run by ``deepspeed.initialize`` (through :mod:`unickpt.deepspeed._activate`) once
-the engine's optimizer exists, so a configuration the plugin cannot save is refused there, not after
-training.
+What a save or load does with the engine's state is :mod:`unickpt.deepspeed.checkpoint`'s (which imports
+this module, not the other way round): the tier schedule gets the memory state as a callable.
 """
 from __future__ import annotations
 
@@ -24,14 +23,14 @@ import atexit
 import logging
 import os
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from .config import UnickptConfig
 
-__all__ = ["UnickptCheckpointEngine", "check_supported", "finish_all_pending", "wait_for_tag"]
+__all__ = ["UnickptCheckpointEngine", "finish_all_pending", "wait_for_tag"]
 
 log = logging.getLogger("unickpt.deepspeed")
 
@@ -76,16 +75,15 @@ class UnickptCheckpointEngine(CheckpointEngine):
             self.tiers = ext.memory_tiers(self.config.save_dir, self.config.tier_options())
         return self.tiers
 
-    def on_step(self, engine: Any) -> None:
-        """After an optimizer step of ``engine`` (every rank): the tier schedule. A memory save when the
-        step is due; ``save_checkpoint(save_dir)`` every ``persist_every`` steps; on a preemption
-        notice (agreed across ranks in the step's one all-reduce) a synchronous
-        ``save_checkpoint(save_dir)``, then ``engine.unickpt_preempted = True``."""
-        from .checkpoint import memory_state
-
+    def on_step(self, engine: Any, memory_state: Callable[[], dict]) -> None:
+        """After an optimizer step of ``engine`` (every rank): the tier schedule. A memory save of
+        ``memory_state()`` (:func:`unickpt.deepspeed.checkpoint.memory_state`) when the step is due;
+        ``save_checkpoint(save_dir)`` every ``persist_every`` steps; on a preemption notice (agreed
+        across ranks in the step's one all-reduce) a synchronous ``save_checkpoint(save_dir)``, then
+        ``engine.unickpt_preempted = True``."""
         tiers = self.tiers_for()
         step = int(engine.global_steps)
-        preempt = tiers.step(step, lambda: memory_state(engine, self), allow_pickle=self.config.allow_pickle)
+        preempt = tiers.step(step, memory_state, allow_pickle=self.config.allow_pickle)
         if preempt and not getattr(engine, "unickpt_preempted", False):
             if tiers.rank == 0:
                 log.warning("unickpt.deepspeed: preemption notice (%s): saving global step %d to %s",
@@ -174,25 +172,6 @@ class UnickptCheckpointEngine(CheckpointEngine):
 
     def preserves_storage_sharing(self) -> bool:
         return True
-
-
-def check_supported(engine: Any) -> None:
-    """Refuse, while ``deepspeed.initialize`` builds ``engine``, a configuration that ``save_checkpoint``
-    would refuse: the same checks, run once the optimizer wrapper exists (right after
-    ``DeepSpeedEngine._configure_checkpointing``, ``runtime/engine.py:696``, which follows
-    ``_configure_optimizer``).
-
-    Raises:
-        NotImplementedError: what ``unickpt.deepspeed.checkpoint._check_supported`` and
-            :func:`unickpt.deepspeed.zero_state.zero_layout` raise (an optimizer wrapper the plugin does not
-            know, no optimizer, NVMe offload, ...); the message names it and says to remove the
-            ``"unickpt"`` block.
-    """
-    from .checkpoint import _check_supported
-    from .zero_state import zero_layout
-
-    _check_supported(engine)
-    zero_layout(engine)
 
 
 def wait_for_tag(save_dir: str, tag: str) -> None:

@@ -11,29 +11,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from unickpt import StateMismatchError, ext
+from unickpt import CheckpointMetadata, StateMismatchError, ext, interop
 
 __all__ = ["DeepSpeedLayout", "LAYOUT"]
 
 
 def _twice(objects: dict, fqn: str) -> Any:
     """A plain value the plugin encoded itself before handing it to the engine (decoded twice)."""
-    return ext.decode(ext.decode(objects[fqn], key=fqn), key=fqn)
+    return ext.Codec.decode(ext.Codec.decode(objects[fqn], key=fqn), key=fqn)
 
 
-class DeepSpeedLayout(ext.Layout):
+class DeepSpeedLayout(interop.Layout):
     """The ``deepspeed`` layout (see the module docstring)."""
 
     framework = "deepspeed"
 
-    def source(self, meta: Any) -> ext.SourceNames:
-        _, _, objects = ext.saved_leaves(meta.state_tree)
-        out = ext.SourceNames()
+    def source(self, meta: CheckpointMetadata) -> interop.SourceNames:
+        _, _, objects = ext.StateTools.saved_leaves(meta.state_tree)
+        out = interop.SourceNames()
         for fqn in sorted(set(meta.tensors) | set(meta.aliases)):
             if fqn.startswith("module."):
-                out.tensors[(ext.PARAM, fqn[len("module."):])] = fqn
+                out.tensors[(interop.PARAM, fqn[len("module."):])] = fqn
             elif fqn.startswith("optimizer.fp32."):
-                out.tensors[(ext.MASTER, fqn[len("optimizer.fp32."):])] = fqn
+                out.tensors[(interop.MASTER, fqn[len("optimizer.fp32."):])] = fqn
             elif fqn.startswith("optimizer.state."):
                 key, _, name = fqn[len("optimizer.state."):].partition(".")
                 out.tensors[(f"state.{key}", name)] = fqn
@@ -41,7 +41,7 @@ class DeepSpeedLayout(ext.Layout):
                 out.private.append(fqn)
         if "optimizer.scalars" in objects:
             scalars = _twice(objects, "optimizer.scalars")
-            steps = [s.get("step") for s in scalars if isinstance(s, dict) and "step" in s]
+            steps: list[Any] = [s.get("step") for s in scalars if isinstance(s, dict) and "step" in s]
             if steps:
                 first = steps[0]
                 same = all(type(x) is type(first) and (x.equal(first) if hasattr(first, "equal") else x == first)
@@ -54,8 +54,8 @@ class DeepSpeedLayout(ext.Layout):
         if "optimizer.param_groups" in objects:
             out.plain["optim.param_groups"] = _twice(objects, "optimizer.param_groups")
         if "lr_scheduler" in objects:
-            out.plain["scheduler"] = ext.decode(objects["lr_scheduler"], key="lr_scheduler")
-        info = ext.decode(objects["deepspeed"], key="deepspeed") if "deepspeed" in objects else {}
+            out.plain["scheduler"] = ext.Codec.decode(objects["lr_scheduler"], key="lr_scheduler")
+        info = ext.Codec.decode(objects["deepspeed"], key="deepspeed") if "deepspeed" in objects else {}
         if isinstance(info, dict) and "global_steps" in info:
             out.plain["step"] = int(info["global_steps"])
         out.private += sorted(f for f in objects if f not in ("optimizer.scalars", "optimizer.param_groups",

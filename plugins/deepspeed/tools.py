@@ -82,11 +82,10 @@ def is_unickpt_checkpoint(path: Any) -> bool:
     from unickpt import ext
 
     path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, ext.METADATA_FILE)):
-        return True
     if not (os.path.isdir(path) and os.listdir(path)):
         return False
-    return ext.is_incomplete_checkpoint(ext.open_storage(path), path)
+    ckpt = ext.CheckpointDir(ext.open_storage(path), path)
+    return ckpt.is_committed() or ckpt.is_incomplete()
 
 
 def _wait_for_saves(save_dir: Any) -> None:
@@ -142,15 +141,13 @@ def fp32_state_dict(path: str, *, exclude_frozen_parameters: bool = False, verif
 
     from unickpt import StateMismatchError, ext
 
-    from .checkpoint import _saved_plain
-
-    meta = ext.read_metadata(path)
+    meta = ext.CheckpointDir.open(path).read_metadata()
     if meta.framework != "deepspeed":
         raise StateMismatchError(f"{path!r} was written by {meta.framework or 'unickpt.save'}, not by "
                                  "unickpt.deepspeed: DeepSpeed's zero_to_fp32 reads DeepSpeed checkpoints only "
                                  "(use `unickpt export` for other checkpoints)")
-    _, _, objects = ext.saved_leaves(meta.state_tree)
-    info = _saved_plain(objects, "deepspeed") or {}
+    _, _, objects = ext.StateTools.saved_leaves(meta.state_tree)
+    info = (ext.Codec.decode(objects["deepspeed"], key="deepspeed") if "deepspeed" in objects else None) or {}
     stored = list(meta.tensors) + [f for f in meta.aliases if f not in meta.tensors]
 
     def names(prefix: str) -> list[str]:
@@ -158,7 +155,7 @@ def fp32_state_dict(path: str, *, exclude_frozen_parameters: bool = False, verif
 
     def empty(fqn: str) -> torch.Tensor:
         t = meta.tensors[meta.aliases.get(fqn, fqn)]
-        return torch.empty(tuple(t.shape), dtype=ext.str_to_dtype(t.dtype))
+        return torch.empty(tuple(t.shape), dtype=ext.Codec.str_to_dtype(t.dtype))
 
     trainable = names("optimizer.fp32.")
     module_names = names("module.")
@@ -230,7 +227,7 @@ def to_universal(src: str, dst: str) -> None:
 
     from unickpt import CheckpointExistsError, StateMismatchError, ext
 
-    meta = ext.read_metadata(src)
+    meta = ext.CheckpointDir.open(src).read_metadata()
     if meta.framework != "deepspeed":
         raise StateMismatchError(f"{src!r} was written by {meta.framework or 'unickpt.save'}, not by "
                                  "unickpt.deepspeed")
@@ -238,26 +235,23 @@ def to_universal(src: str, dst: str) -> None:
     storage = ext.open_storage(dst)
     if dst == src:
         raise CheckpointExistsError(f"ds_to_universal: the output folder {dst!r} is the input folder")
+    source, target = ext.CheckpointDir(storage, src), ext.CheckpointDir(storage, dst)
     if os.path.lexists(dst):
-        if not (ext.is_committed(storage, dst) or ext.is_incomplete_checkpoint(storage, dst)):
+        if not (target.is_committed() or target.is_incomplete()):
             raise CheckpointExistsError(f"ds_to_universal: {dst!r} exists and is not a unickpt checkpoint; "
                                         "remove it or choose another output folder")
-        ext.remove_checkpoint_dir(storage, dst)
-    for folder, _, files in os.walk(src):
-        rel = os.path.relpath(folder, src)
-        os.makedirs(os.path.join(dst, rel), exist_ok=True)
-        for name in files:
-            if rel == "." and name in (ext.METADATA_FILE, ext.WRITER_FILE):
-                continue
-            a, b = os.path.join(folder, name), os.path.join(dst, rel, name)
-            try:
-                os.link(a, b)
-            except OSError:  # another file system, or links not allowed
-                shutil.copyfile(a, b)
-                with open(b, "rb+") as f:
-                    os.fsync(f.fileno())
-    metadata = storage.read_bytes(os.path.join(src, ext.METADATA_FILE))
-    storage.write_atomic(os.path.join(dst, ext.METADATA_FILE), metadata)  # the commit
+        target.remove()
+    os.makedirs(dst)
+    for rel in source.files(with_marker=False):
+        a, b = os.path.join(src, rel), os.path.join(dst, rel)
+        os.makedirs(os.path.dirname(b), exist_ok=True)
+        try:
+            os.link(a, b)
+        except OSError:  # another file system, or links not allowed
+            shutil.copyfile(a, b)
+            with open(b, "rb+") as f:
+                os.fsync(f.fileno())
+    target.commit(source.metadata_bytes())  # the commit, last
     root, name = os.path.split(dst)
     storage.write_atomic(os.path.join(root, LATEST_UNIVERSAL), name.encode())
 

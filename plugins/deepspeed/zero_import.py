@@ -12,7 +12,7 @@ import contextlib
 import os
 import sys
 
-from unickpt.ext import Source
+from unickpt.interop import Source
 
 __all__ = ["read_zero_checkpoint", "SOURCE"]
 

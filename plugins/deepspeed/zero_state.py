@@ -97,7 +97,7 @@ def zero_layout(engine: Any) -> ZeroLayout:
     """The optimizer layout of a DeepSpeed engine on this rank (see the module docstring).
 
     This is the one rule for what the plugin can save: ``deepspeed.initialize`` runs it too
-    (:func:`unickpt.deepspeed.engine.check_supported`), so an unsupported configuration is refused there,
+    (:func:`unickpt.deepspeed.checkpoint.check_supported`), so an unsupported configuration is refused there,
     not at the first ``save_checkpoint``.
 
     Raises:
@@ -135,7 +135,7 @@ def zero_layout(engine: Any) -> ZeroLayout:
         groups, flat = opt.bit16_groups, opt.single_partition_of_fp32_groups
     elif hasattr(opt, "bf16_groups") and hasattr(opt, "fp32_groups_flat_partition"):  # BF16_Optimizer
         groups, flat = opt.bf16_groups, opt.fp32_groups_flat_partition
-    if groups is not None:
+    if groups is not None and flat is not None:
         frags = []
         for g, params in enumerate(groups):
             for p in params:
@@ -199,7 +199,7 @@ def _scaler(opt: Any) -> tuple[Any, dict]:
 
 
 def wrapper_state(layout: ZeroLayout) -> dict:
-    """The wrapper's own state, as plain values (encodable by ``unickpt.ext.encode`` without pickle).
+    """The wrapper's own state, as plain values (encodable by ``unickpt.ext.Codec.encode`` without pickle).
 
     ``loss_scaler``: ``{"dynamic": bool, "cur_scale": float, ...}`` (the fields of ``_SCALER_FIELDS`` the
     wrapper has); ``overflow`` (ZeRO 1-3, as their ``state_dict``); ``clip_grad``. Empty without loss
@@ -235,7 +235,7 @@ def check_wrapper_state(layout: ZeroLayout, path: str, saved: dict) -> None:
         held = "none" if saved_scaler is None else f"an fp16 loss scaler {saved_scaler}"
         raise StateMismatchError(f"{path!r}: 'optimizer.wrapper.loss_scaler': the checkpoint holds {held}, this "
                                  f"engine {have}")
-    if holder is not None:
+    if holder is not None and saved_scaler is not None:  # both or neither, checked above
         dynamic = bool(getattr(holder, names.get("dynamic", "dynamic")))
         if bool(saved_scaler["dynamic"]) != dynamic:
             kind = {True: "dynamic", False: "static"}

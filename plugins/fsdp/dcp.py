@@ -239,7 +239,7 @@ def _take_turn() -> None:
 def _dcp_group(own: Any, use_collectives: bool = True) -> Any:
     """The process group a writer or reader (constructed with ``process_group=own``) runs unickpt's
     collectives over: DCP's own (``process_group`` of ``dcp.save`` / ``dcp.load``, else ``own``, else the
-    world); :data:`unickpt.collectives.THIS_PROCESS` (this process alone) with ``no_dist=True``, without
+    world); :data:`unickpt.ext.THIS_PROCESS` (this process alone) with ``no_dist=True``, without
     an initialised process group, with ``use_collectives=False``, or when ``own`` is ext.THIS_PROCESS."""
     import torch.distributed as dist
 
@@ -291,36 +291,21 @@ def _parse_chunk_key(key: str) -> tuple[str, tuple[int, ...]]:
 
 
 def _commit_generation(storage: ext.StorageBackend, path: str, gen: str) -> None:
-    """Make the committed save in ``<path>/<gen>`` the checkpoint at ``path``: one atomic replace of
-    ``<path>/metadata.json`` by the generation's metadata with its file names prefixed by ``gen``,
-    then removal of the checkpoint it replaced (its generation directory, or the data and object
-    files a checkpoint written there directly named). Until the replace, the old checkpoint stays
+    """Make the committed save in ``<path>/<gen>`` the checkpoint at ``path``: one commit of ``path``
+    (:meth:`~unickpt.ext.CheckpointDir.commit`) with the generation's metadata, its file names prefixed
+    by ``gen``, then removal of the checkpoint it replaced (its generation directory, or the data and
+    object files a checkpoint written there directly named). Until the commit, the old checkpoint stays
     loadable; other files in ``path`` are left alone."""
-    import json
-    import posixpath
-
-    doc = json.loads(storage.read_bytes(storage.join(path, gen, ext.METADATA_FILE)))
-    for tm in doc.get("tensors", {}).values():
-        for c in tm.get("chunks", []):
-            c["file"] = posixpath.join(gen, c["file"])
-    per_rank = doc.get("per_rank")
-    if per_rank and per_rank.get("files"):
-        per_rank["files"] = [None if f is None else posixpath.join(gen, f) for f in per_rank["files"]]
-    if doc.get("index"):  # format v2: split tensors' data and index files are found under this prefix
-        prefix = doc["index"].get("prefix")
-        doc["index"]["prefix"] = posixpath.join(gen, prefix) if prefix else gen
-    doc.setdefault("extra", {}).setdefault("dcp", {})["generation"] = gen
-    top = storage.join(path, ext.METADATA_FILE)
-    old = None
-    if storage.exists(top):
-        try:
-            old = json.loads(storage.read_bytes(top))
-        except Exception:  # unreadable: it is replaced, its files are left alone
-            old = None
-    storage.write_atomic(top, json.dumps(doc, separators=(",", ":")).encode())
-    if not isinstance(old, dict):
+    top = ext.CheckpointDir(storage, path)
+    meta = _prefixed(ext.CheckpointDir(storage, storage.join(path, gen)).read_metadata(), gen)
+    try:
+        old = top.read_metadata() if top.is_committed() else None
+    except Exception:  # unreadable: it is replaced, its files are left alone
+        old = None
+    top.commit(meta)
+    if old is None:
         return
-    old_gen = ((old.get("extra") or {}).get("dcp") or {}).get("generation")
+    old_gen = (old.extra.get("dcp") or {}).get("generation")
     if isinstance(old_gen, str) and old_gen != gen and old_gen.count("/") == 1 and \
             old_gen.startswith(GENERATIONS_DIR + "/") and len(old_gen) > len(GENERATIONS_DIR) + 1:
         try:
@@ -329,10 +314,10 @@ def _commit_generation(storage: ext.StorageBackend, path: str, gen: str) -> None
             pass
         return
     if old_gen is None:  # a checkpoint written into path itself (unickpt.save, an older StorageWriter)
-        keep = {c["file"] for tm in doc.get("tensors", {}).values() for c in tm.get("chunks", [])}
-        files = {c.get("file") for tm in old.get("tensors", {}).values() for c in tm.get("chunks", [])}
-        files |= set((old.get("per_rank") or {}).get("files") or [])
-        files |= _split_files(storage, path, old)
+        keep = {c.file for t in meta.tensors.values() for c in t.explicit}
+        files = {c.file for t in old.tensors.values() for c in t.explicit}
+        files |= set(old.per_rank.get("files") or [])
+        files |= _split_files(storage, path, old.index)
         for rel in sorted(f for f in files - keep if isinstance(f, str) and ".." not in f.split("/")):
             try:
                 storage.rm(storage.join(path, rel))
@@ -340,10 +325,47 @@ def _commit_generation(storage: ext.StorageBackend, path: str, gen: str) -> None
                 pass
 
 
-def _split_files(storage: ext.StorageBackend, path: str, doc: dict) -> set[str]:
-    """Format v2, a checkpoint written into ``path`` itself: the index files and data files of its
-    writers (split tensors' parts are in ``data/<rank>_<n>.bin``, named by rank, not listed)."""
-    index = doc.get("index") or {}
+def _remove_dead_generations(storage: ext.StorageBackend, path: str, gen: str) -> None:
+    """Remove the generations in ``<path>/<GENERATIONS_DIR>`` other than ``gen`` whose writer is gone (the
+    leftovers of failed or killed saves; each uncommitted first)."""
+    gens = storage.join(path, GENERATIONS_DIR)
+    current = gen.rsplit("/", 1)[-1]
+    try:
+        names = [n.rstrip("/").rsplit("/", 1)[-1] for n in storage.listdir(gens)]
+    except FileNotFoundError:
+        names = []
+    for name in names:
+        d = ext.CheckpointDir(storage, storage.join(gens, name))
+        if name != current and not d.writer_alive():
+            d.remove()
+
+
+def _prefixed(meta: CheckpointMetadata, gen: str) -> CheckpointMetadata:
+    """``meta`` with every file it names under the generation directory ``gen`` (chunks, per-rank
+    objects; format v2: the index prefix of split tensors' data and index files), and ``gen`` recorded
+    as ``extra.dcp.generation``."""
+    import dataclasses
+    import posixpath
+
+    def moved(t: Any) -> Any:
+        return dataclasses.replace(t, explicit=tuple(dataclasses.replace(c, file=posixpath.join(gen, c.file))
+                                                     for c in t.explicit))
+
+    per_rank = dict(meta.per_rank)
+    if per_rank.get("files"):
+        per_rank["files"] = [None if f is None else posixpath.join(gen, f) for f in per_rank["files"]]
+    index = dict(meta.index)
+    if index:
+        index["prefix"] = posixpath.join(gen, index["prefix"]) if index.get("prefix") else gen
+    return dataclasses.replace(meta, tensors={fqn: moved(t) for fqn, t in meta.tensors.items()}, per_rank=per_rank,
+                               index=index, extra={**meta.extra, "dcp": {**(meta.extra.get("dcp") or {}),
+                                                                         "generation": gen}})
+
+
+def _split_files(storage: ext.StorageBackend, path: str, index: dict) -> set[str]:
+    """Format v2, a checkpoint written into ``path`` itself (its metadata's ``index``): the index files
+    and data files of its writers (split tensors' parts are in ``data/<rank>_<n>.bin``, named by rank,
+    not listed)."""
     writers = index.get("writers")
     if not isinstance(writers, int) or index.get("prefix"):
         return set()
@@ -371,7 +393,7 @@ def _plain_value(raw: bytes) -> tuple[bool, Any]:
     ``weights_only=True``, so nothing runs); ``(False, None)`` otherwise (kept as bytes)."""
     try:
         value = torch.load(io.BytesIO(raw), weights_only=True)
-        ext.encode(value, allow_pickle=False)
+        ext.Codec.encode(value, allow_pickle=False)
     except Exception:  # UnsafeObjectError (not JSON-expressible), UnpicklingError (not weights_only-loadable), ...
         return False, None
     if isinstance(value, torch.Tensor) or _holds_tensor(value):
@@ -406,7 +428,7 @@ class StorageWriter(_DCPWriter, AsyncStager):
             directory are left alone.
         process_group: the ranks taking part when ``dcp.save`` is given none (default: the world).
             The group ``dcp.save`` itself uses wins (its ``process_group``; a world of one with
-            ``no_dist=True``); ``unickpt.collectives.THIS_PROCESS`` saves this process alone.
+            ``no_dist=True``); ``unickpt.ext.THIS_PROCESS`` saves this process alone.
         storage_options: passed to the fsspec filesystem.
         overwrite: False refuses a path that already holds a committed checkpoint
             (:class:`unickpt.CheckpointExistsError`), like ``FileSystemWriter(overwrite=False)``.
@@ -471,7 +493,7 @@ class StorageWriter(_DCPWriter, AsyncStager):
 
             target = self._target or self.path
             storage = ext.open_storage(target, self.storage_options)
-            if ext.is_committed(storage, target):
+            if ext.CheckpointDir(storage, target).is_committed():
                 raise CheckpointExistsError(f"{target!r} already holds a committed checkpoint and the writer has "
                                             "overwrite=False")
         return plan
@@ -605,7 +627,7 @@ class StorageWriter(_DCPWriter, AsyncStager):
         taken = sorted(set(roots) & {".".join(map(str, p)) for p in blocked})  # the same on every rank
         if taken:
             raise ValueError(f"StorageWriter: the non-tensor value {taken[0]!r} has the fqn of a tensor; rename one")
-        return {k: ext.restore_empty_optim_state(_listify(v)) for k, v in roots.items()}
+        return {k: ext.StateTools.restore_empty_optim_state(_listify(v)) for k, v in roots.items()}
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """DCP's commit point (the coordinator, once every rank has written; every rank with
@@ -619,19 +641,7 @@ class StorageWriter(_DCPWriter, AsyncStager):
         assert target is not None
         storage = ext.open_storage(target, self.storage_options)
         _commit_generation(storage, target, self._generation)
-        gens = storage.join(target, GENERATIONS_DIR)
-        current = self._generation.rsplit("/", 1)[-1]
-        try:
-            names = [n.rstrip("/").rsplit("/", 1)[-1] for n in storage.listdir(gens)]
-        except FileNotFoundError:
-            names = []
-        for name in names:
-            d = storage.join(gens, name)
-            if name != current and not ext.writer_alive(storage, d):
-                try:
-                    storage.rm(d)
-                except FileNotFoundError:
-                    pass
+        _remove_dead_generations(storage, target, self._generation)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -751,11 +761,11 @@ class StorageReader(_DCPReader):
         if self.meta is None:
             path = self._dir()
             storage = ext.open_storage(path, self.storage_options)
-            if ext.is_dcp_checkpoint(storage, path):
+            if ext.StateTools.is_dcp_checkpoint(storage, path):
                 raise ValueError(f"{path!r} was written by DCP's own FileSystemWriter (.metadata, no metadata.json); "
                                  "unickpt.fsdp.StorageReader reads unickpt checkpoints: load it with dcp.load's default "
                                  "reader, or with unickpt.load(path, state, allow_pickle=True)")
-            self.meta = ext.read_metadata(path, self.storage_options)
+            self.meta = ext.CheckpointDir.open(path, self.storage_options).read_metadata()
         return self.meta
 
     def read_metadata(self, *args: Any, rank: int | None = None, **kwargs: Any) -> Metadata:
@@ -779,13 +789,13 @@ class StorageReader(_DCPReader):
                 whole, offsets = _parse_chunk_key(fqn)
                 entry = sdm.get(whole)
                 if entry is None:
-                    entry = sdm[whole] = TensorStorageMetadata(TensorProperties(dtype=ext.str_to_dtype(tm.dtype)),
+                    entry = sdm[whole] = TensorStorageMetadata(TensorProperties(dtype=ext.Codec.str_to_dtype(tm.dtype)),
                                                                torch.Size(chunked[whole]), [])
                 entry.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(tm.shape)))
                 continue
             chunks = [ChunkStorageMetadata(torch.Size(p.box.offsets), torch.Size(p.box.lengths))
-                      for spec in tm.specs() for p in ext.chunk_pieces(spec, tm.shape)]
-            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=ext.str_to_dtype(tm.dtype)), torch.Size(tm.shape), chunks)
+                      for spec in tm.specs() for p in ext.StateTools.chunk_pieces(spec, tm.shape)]
+            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=ext.Codec.str_to_dtype(tm.dtype)), torch.Size(tm.shape), chunks)
         for alias, source in meta.aliases.items():
             if source in sdm:
                 sdm[alias] = sdm[source]
@@ -806,11 +816,11 @@ class StorageReader(_DCPReader):
         if self._plain is None:
             from unickpt import UnsafeObjectError
 
-            _, _, objects = ext.saved_leaves(self._meta().state_tree)
+            _, _, objects = ext.StateTools.saved_leaves(self._meta().state_tree)
             decoded = {}
             for fqn, enc in objects.items():
                 try:
-                    decoded[fqn] = ext.decode(enc, allow_pickle=False, key=fqn)
+                    decoded[fqn] = ext.Codec.decode(enc, allow_pickle=False, key=fqn)
                 except UnsafeObjectError:
                     continue  # a pickled value: not offered to DCP
             self._plain = _flatten_both(decoded) if decoded else {}
@@ -868,7 +878,7 @@ class StorageReader(_DCPReader):
         for i, item in sorted(((i, it) for i, it in enumerate(plan.items) if it.type != LoadItemType.BYTE_IO),
                               key=lambda x: x[1].storage_index.fqn):
             source, lo = sources[i]
-            stored, target = ext.str_to_dtype(meta.tensors[source].dtype), planner.resolve_tensor(item)
+            stored, target = ext.Codec.str_to_dtype(meta.tensors[source].dtype), planner.resolve_tensor(item)
             if target.dtype != stored:
                 mismatch = mismatch or TypeError(
                     f"{item.storage_index.fqn!r}: the checkpoint {self._dir()!r} stores {stored}, the state to load "
@@ -888,7 +898,7 @@ class StorageReader(_DCPReader):
             if source in direct_sources:
                 buf = direct[direct_sources[source]]
             else:
-                buf = torch.empty([b - a for a, b in zip(lo, hi)], dtype=ext.str_to_dtype(tm.dtype))
+                buf = torch.empty([b - a for a, b in zip(lo, hi)], dtype=ext.Codec.str_to_dtype(tm.dtype))
             state[source] = Shard(buf, tm.shape, offsets=lo)
             buffers[source] = (buf, lo)
         for item in plan.items:

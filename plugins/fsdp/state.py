@@ -154,7 +154,7 @@ class FlatOptimizerState:
     For a load, an empty optimizer is initialised first with a zero-gradient, zero-learning-rate step
     (``torch.distributed.checkpoint.state_dict._init_optim_state``, as ``set_optimizer_state_dict``
     does), so that its moments exist to load into; a save leaves it as it is
-    (:func:`unickpt.ext.optimizers_untouched`) and records an empty ``state``.
+    (:func:`unickpt.ext.StateTools.optimizers_untouched`) and records an empty ``state``.
     """
 
     def __init__(self, model: nn.Module, optim: torch.optim.Optimizer, process_group: Any = None):
@@ -347,7 +347,7 @@ def _to_leaves(sd: Any, fqn: str = "") -> Any:
         return Shard(local, tuple(sd.shape), offsets=tuple(offset))
 
     if isinstance(sd, ShardedTensor):
-        return ext.sharded_tensor_shard(sd, fqn)
+        return ext.StateTools.sharded_tensor_shard(sd, fqn)
     if isinstance(sd, dict):
         return {k: _to_leaves(v, f"{fqn}.{k}" if fqn else str(k)) for k, v in sd.items()}
     return sd

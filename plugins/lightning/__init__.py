@@ -9,11 +9,14 @@ goes through unickpt.
 or, with no code change, ``UNICKPT_LIGHTNING=1 python train.py`` (Lightning's
 ``callbacks_factory`` entry points, :mod:`._activate`).
 
-Modules: :mod:`.io` (the ``CheckpointIO``), :mod:`._strategies` (the route for sharded strategies,
-which bypass ``CheckpointIO``, and DeepSpeedStrategy), :mod:`._tree` (the checkpoint dict kept
-exactly), :mod:`._pack` (one file per full-dict checkpoint), :mod:`._layout` (pointer files and
-versions of the sharded routes), :mod:`._callback` and
-:mod:`._activate` (zero-code activation). See ``docs/lightning.md``.
+Modules, bottom to top: :mod:`._tree` (the checkpoint dict kept exactly), :mod:`._pickles` (the trust
+model), :mod:`._pack` (one file per full-dict checkpoint), :mod:`._pointers` (pointer files and
+versions of the sharded routes) and :mod:`._versions` (publishing and collecting them),
+:mod:`._inflight` (the saves in flight in this process), :mod:`._tracking` (an IO's pending saves
+and their failures), :mod:`._reading` (reading a checkpoint file), :mod:`._strategies` (the route for
+sharded strategies, which bypass ``CheckpointIO``, and DeepSpeedStrategy), :mod:`.io` (the
+``CheckpointIO``), :mod:`._callback`, :mod:`._tiers` and :mod:`._activate` (zero-code activation).
+See ``docs/lightning.md``.
 """
 from __future__ import annotations
 

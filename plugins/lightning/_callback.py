@@ -77,6 +77,12 @@ class UnickptCallback(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         adopt(trainer.strategy)
 
+    def unickpt_before_launch(self, strategy: Any) -> None:
+        """``ddp_spawn`` / ``ddp_fork``: :func:`adopt` the main process's ``strategy`` before the launch
+        (called by the launcher wrapper of :func:`unickpt.lightning._strategies.install`; ``setup`` runs
+        in the workers only)."""
+        adopt(strategy)
+
 
 class UnickptFabricCallback:
     """Fabric callback: after ``fabric.setup(...)`` switch the strategy to

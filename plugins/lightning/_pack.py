@@ -48,7 +48,6 @@ MAGIC = b"UNICKPT-LPACK-1\n"  # 16 bytes, first and last bytes of a pack
 _FOOTER = struct.Struct("<QQ")  # index offset, index length (then MAGIC)
 PENDING_FORMAT = "unickpt-lightning-pending"
 PROTOCOL = "unickptpack"
-_SKIP = {".unickpt-writer"}  # members not packed (advisory markers of the staging directory)
 _MAX_PLACEHOLDER = 1 << 12
 
 
@@ -75,7 +74,7 @@ def _strip_file(path: str) -> str:
 
 def kind(path: str, options: dict | None = None) -> str | None:
     """What ``path`` holds: ``"pack"``, ``"pending"`` (a placeholder), ``"pointer"`` (a small JSON
-    file claiming the earlier pointer layout, :mod:`._layout`), ``"missing"``, ``"dir"``, or None (a
+    file claiming the earlier pointer layout, :mod:`._pointers`), ``"missing"``, ``"dir"``, or None (a
     file of another format, e.g. a ``torch.save`` checkpoint)."""
     try:
         if _local(path):
@@ -290,11 +289,14 @@ def write_pack(path: str, staged: str, options: dict | None, extra: dict | None 
     atomically replacing what ``path`` held. Returns the pack's size in bytes."""
     mem = fsspec.filesystem("memory")
     root = mem._strip_protocol(staged).rstrip("/")
-    names = sorted(p[len(root) + 1:] for p in mem.find(root) if p[len(root) + 1:] not in _SKIP)
-    if "metadata.json" not in names:
-        raise RuntimeError(f"{staged!r} holds no committed checkpoint (no metadata.json)")
-    names.remove("metadata.json")
-    names.append("metadata.json")  # last, as the commit marker is written last
+    # listed in memory directly, not through the storage layer (whose faults are the user's storage's, not
+    # this process's staging area's); the commit marker last, as it is written last; no writer record
+    d = ext.CheckpointDir(ext.open_storage(staged), staged)
+    marker, writer = (p.rsplit("/", 1)[-1] for p in (d.metadata_path, d.writer_path))
+    names = sorted(p[len(root) + 1:] for p in mem.find(root) if p[len(root) + 1:] not in (marker, writer))
+    if not mem.exists(f"{root}/{marker}"):
+        raise RuntimeError(f"{staged!r} holds no committed checkpoint (no {marker})")
+    names.append(marker)
 
     def body(name: str) -> memoryview:
         f = mem.store[f"{root}/{name}"]
@@ -347,7 +349,7 @@ def placeholder_alive(doc: dict) -> bool:
     if doc.get("host") != socket.gethostname():
         return True
     pid = doc.get("pid")
-    return isinstance(pid, int) and ext.pid_alive(pid)
+    return isinstance(pid, int) and ext.CheckpointDir.pid_alive(pid)
 
 
 def remove_path(path: str, options: dict | None) -> None:

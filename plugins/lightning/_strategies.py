@@ -25,16 +25,19 @@ import contextlib
 import functools
 import logging
 import os
-import types
 from typing import Any
 
 import torch
 
-from unickpt import StateMismatchError, ext
+from unickpt import StateMismatchError, ext, interop
 
-from . import _layout
-from ._layout import Pointer
-from ._tree import join, split
+from . import _pointers
+from ._inflight import fspath, register, run_ended, run_started, unregister
+from ._pickles import pickled, refuse_pickles, unsafe_error
+from ._pointers import Pointer
+from ._reading import Reader, Solo, original_pl_load
+from ._tree import FRAMEWORK, TREE_KEY, global_step, join, split
+from ._versions import agree_pointer
 
 __all__ = ["install", "unickpt_io", "save_sharded", "load_sharded", "deepspeed_config", "is_unickpt_file",
            "original_pl_load"]
@@ -47,12 +50,11 @@ MODEL_KEY = "state_dict"
 
 def unickpt_io(strategy: Any) -> Any:
     """The strategy's :class:`UnickptCheckpointIO` (also inside a wrapping IO such as
-    ``AsyncCheckpointIO``), or None. Never creates the strategy's default IO."""
-    from .io import UnickptCheckpointIO
-
+    ``AsyncCheckpointIO``), or None. Never creates the strategy's default IO. An IO is one when its
+    class (or a base) is marked ``is_unickpt_io`` (:mod:`.io` builds on this module, not the other way)."""
     io = getattr(strategy, "_checkpoint_io", None)
     for _ in range(4):
-        if isinstance(io, UnickptCheckpointIO):
+        if getattr(type(io), "is_unickpt_io", False):
             return io
         io = getattr(io, "_checkpoint_io", None) or getattr(io, "checkpoint_io", None) if io is not None else None
     return None
@@ -95,36 +97,20 @@ def _wrap_run(original: Any) -> Any:
     one complete before they return (see ``UnickptCheckpointIO.save_checkpoint``)."""
     @functools.wraps(original)
     def _run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from .io import _run_ended, _run_started
-
-        _run_started()
+        run_started()
         try:
             return original(self, *args, **kwargs)
         finally:
-            _run_ended()
+            run_ended()
 
     setattr(_run, _MARK, True)
     return _run
 
 
-_ORIGINAL_PL_LOAD: list = []
 _TRAMPOLINE = (
     "def _load(path_or_url, map_location=None, weights_only=None):\n"
     "    return _unickpt_pl_load(path_or_url, map_location=map_location, weights_only=weights_only)\n"
 )
-
-
-def original_pl_load() -> Any:
-    """Lightning's own ``lightning.fabric.utilities.cloud_io._load`` (its behaviour before
-    :func:`install`)."""
-    if not _ORIGINAL_PL_LOAD:
-        import lightning.fabric.utilities.cloud_io as cloud_io
-
-        fn = cloud_io._load
-        copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        copy.__kwdefaults__, copy.__doc__ = fn.__kwdefaults__, fn.__doc__
-        _ORIGINAL_PL_LOAD.append(copy)
-    return _ORIGINAL_PL_LOAD[0]
 
 
 def _install_pl_load() -> None:
@@ -150,14 +136,17 @@ def _wrap_launch(original: Any) -> Any:
     """``ddp_spawn`` / ``ddp_fork``: the launcher's main process reads (and removes) the weights its
     worker saved (``_MultiProcessingLauncher._recover_results_in_main_process``) with the
     strategy's ``checkpoint_io``; the zero-code callback switches the workers' strategy only (its
-    ``setup`` runs in them), so switch the main process's strategy here, before the launch."""
+    ``setup`` runs in them), so switch the main process's strategy here, before the launch: the first
+    callback of the trainer whose class has ``unickpt_before_launch``
+    (:class:`~unickpt.lightning._callback.UnickptCallback`) is called with the strategy."""
     @functools.wraps(original)
     def launch(self: Any, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if trainer is not None:
-            from ._callback import UnickptCallback, adopt
-
-            if any(isinstance(cb, UnickptCallback) for cb in getattr(trainer, "callbacks", [])):
-                adopt(self._strategy)
+            for cb in getattr(trainer, "callbacks", []):
+                before_launch = getattr(type(cb), "unickpt_before_launch", None)
+                if before_launch is not None:
+                    before_launch(cb, self._strategy)
+                    break
         return original(self, function, *args, trainer=trainer, **kwargs)
 
     setattr(launch, _MARK, True)
@@ -188,25 +177,11 @@ def _wrap_pl_load(original: Any) -> Any:
     @functools.wraps(original)
     def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
         if isinstance(path_or_url, (str, os.PathLike)) and is_unickpt_file(path_or_url):
-            from .io import _Solo
-
-            return _reader()._load(os.fspath(path_or_url), map_location, weights_only, _Solo())
+            return Reader().read(os.fspath(path_or_url), map_location, weights_only, Solo())
         return original(path_or_url, map_location=map_location, weights_only=weights_only)
 
     setattr(pl_load, _MARK, True)
     return pl_load
-
-
-_READER: list = []
-
-
-def _reader() -> Any:
-    """The process-wide default :class:`~unickpt.lightning.UnickptCheckpointIO` used by ``pl_load``."""
-    if not _READER:
-        from .io import UnickptCheckpointIO
-
-        _READER.append(UnickptCheckpointIO())
-    return _READER[0]
 
 
 def _wrap_save(original: Any) -> Any:
@@ -301,33 +276,31 @@ def save_sharded(io: Any, strategy: Any, checkpoint: dict, filepath: Any, storag
     sharded state dicts in ``checkpoint`` are dropped unused: Lightning's FSDP1 optimizer state is
     a ``ShardedTensor`` dict that unickpt does not store); optimizers are saved only when
     ``checkpoint`` has ``optimizer_states``. ``filepath`` is a directory, made before this returns,
-    holding the versions and the pointer (:mod:`._layout`); each save is a whole checkpoint.
+    holding the versions and the pointer (:mod:`._pointers`); each save is a whole checkpoint.
     """
-    from .io import FRAMEWORK, TREE_KEY, _fspath, _global_step, _refuse_pickles
-
     io._raise_errors()
-    path = _fspath(strategy.broadcast(os.fspath(filepath)))
+    path = fspath(strategy.broadcast(os.fspath(filepath)))
     options = io._options(storage_options)
     storage = ext.open_storage(path, options)
     meta = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, "optimizer_states")}
     if not io._save_pickle():
-        _refuse_pickles(path, split(meta, take_tensors=False)[0])
+        refuse_pickles(path, split(meta, take_tensors=False)[0])
     # encoded here, tensors inline: global rank 0's values, as in Lightning's meta.pt (handed to the
     # engine as one plain value; its own traversal would treat the tensors as replicated leaves)
-    tree = ext.encode(split(meta, take_tensors=False)[0], allow_pickle=io._save_pickle(), key=TREE_KEY)
+    tree = ext.Codec.encode(split(meta, take_tensors=False)[0], allow_pickle=io._save_pickle(), key=TREE_KEY)
     with_optimizers = "optimizer_states" in checkpoint
     state = _live_state(strategy, with_optimizers)
     engine = ext.engine()
-    step = _global_step(checkpoint)
+    step = global_step(checkpoint)
     state[TREE_KEY] = tree
     target, created = None, False
     if engine.rank == 0:  # P is a directory when the save returns, as with Lightning's own (its version counter asks)
         created = not storage.exists(path)
-        storage.makedirs(_layout.data_root(storage, path))
+        storage.makedirs(_pointers.data_root(storage, path))
         version = io._version_for(storage, path)
-        target = (version, _layout.version_dir(storage, path, version))
+        target = (version, _pointers.version_dir(storage, path, version))
     version, vdir = engine.broadcast(target)
-    pointer = Pointer(_layout.relative(path, vdir), route="sharded", global_step=step)
+    pointer = Pointer(_pointers.relative(path, vdir), route="sharded", global_step=step)
     try:
         handle = engine.save(vdir, state, async_save=io.async_save, storage_options=options, step=step,
                              framework=FRAMEWORK, extra={"lightning_route": "sharded", "tensors_from": None},
@@ -337,14 +310,12 @@ def save_sharded(io: Any, strategy: Any, checkpoint: dict, filepath: Any, storag
         if created:
             _drop_if_empty(storage, path)
         raise
-    from .io import _register, _unregister
-
     def done(f: Any) -> None:
-        _unregister(path, handle)
+        unregister(path, handle)
         if created and f.exception() is not None:  # the failed version is gone (the engine removed it)
             _drop_if_empty(storage, path)
 
-    _register(path, handle)
+    register(path, handle)
     handle._future.add_done_callback(done)
     io._track(path, handle)
     if not io.async_save:
@@ -376,51 +347,47 @@ def load_sharded(io: Any, strategy: Any, checkpoint_path: Any, weights_only: boo
     """
     from lightning.pytorch.trainer.states import TrainerFn
 
-    from .io import TREE_KEY, _agree_pointer, _fspath, _pickled, _unsafe
-
     io._wait()
-    path = _fspath(strategy.broadcast(os.fspath(checkpoint_path)))
+    path = fspath(strategy.broadcast(os.fspath(checkpoint_path)))
     options = io._options(None)
     engine = ext.engine()
     foreign = engine.broadcast(_foreign(path, options) if engine.rank == 0 else None)
     if foreign is not None:  # written by another framework: through its layout (docs/cross-framework.md)
         return load_foreign(io, strategy, foreign, options)
-    pointer = _agree_pointer(engine, path, options, foreign=("file", "dir") if original is not None else ())
+    pointer = agree_pointer(engine, path, options, foreign=("file", "dir") if original is not None else ())
     if pointer is None:  # Lightning's own checkpoint (before unickpt was turned on): Lightning's own reader
         return original(strategy, checkpoint_path, weights_only=weights_only)
     if pointer.route != "sharded":
         raise ValueError(f"{path!r} holds a full checkpoint dict (saved through CheckpointIO, route "
                          f"{pointer.route!r}); {type(strategy).__name__} with sharded state loads sharded-route "
                          "checkpoints only")
-    vdir = _layout.resolve(path, pointer.checkpoint)
+    vdir = _pointers.resolve(path, pointer.checkpoint)
     module = strategy.lightning_module
     state = _live_state(strategy, with_optimizers=module.trainer.state.fn == TrainerFn.FITTING)
     state[TREE_KEY] = None
-    source = vdir if pointer.tensors_from is None else _layout.resolve(path, pointer.tensors_from)
+    source = vdir if pointer.tensors_from is None else _pointers.resolve(path, pointer.tensors_from)
     engine.load(source, state, strict=bool(module.strict_loading), storage_options=options, verify=io.verify)
     if source != vdir:  # a link: the tensors came from the checkpoint it names, the rest is its own
         state = {TREE_KEY: None}
         engine.load(vdir, state, strict=True, storage_options=options, verify=io.verify)
     allow = io._load_pickle(weights_only)
-    found = [] if allow else _pickled(state[TREE_KEY])
+    found = [] if allow else pickled(state[TREE_KEY])
     if found:
-        raise _unsafe(path, found, saving=False)
-    return join(ext.decode(state[TREE_KEY], allow_pickle=allow, key=TREE_KEY), lambda tag: None)
+        raise unsafe_error(path, found, saving=False)
+    return join(ext.Codec.decode(state[TREE_KEY], allow_pickle=allow, key=TREE_KEY), lambda tag: None)
 
 
 def _foreign(path: str, options: dict | None) -> str | None:
     """The committed unickpt checkpoint another framework wrote behind ``path`` (an Accelerate
     ``checkpoint_<N>`` folder, a DeepSpeed ``save_dir`` or tag, a ``unickpt.save`` directory), or None
     (a Lightning pointer or pack, Lightning's own files, nothing)."""
-    from .io import FRAMEWORK
-
     storage = ext.open_storage(path, options)
-    if not storage.isdir(path) or _layout.claims_format(storage, path):
+    if not storage.isdir(path) or _pointers.claims_format(storage, path):
         return None  # pointers and packs are Lightning's
-    found = ext.locate_checkpoint(path, storage)
-    if not ext.is_committed(storage, found):
+    found = interop.locate_checkpoint(path, storage)
+    if not ext.CheckpointDir(storage, found).is_committed():
         return None
-    return found if ext.read_metadata(found, options).framework != FRAMEWORK else None
+    return found if ext.CheckpointDir.open(found, options).read_metadata().framework != FRAMEWORK else None
 
 
 def load_foreign(io: Any, strategy: Any, path: str, options: dict | None) -> dict:

@@ -3,7 +3,7 @@
 Lightning's checkpoint is an arbitrary nested dict (``epoch``, ``global_step``, ``state_dict``,
 ``loops``, ``callbacks``, ``optimizer_states`` with integer parameter ids as keys,
 ``lr_schedulers``, ``hyper_parameters``, ...). unickpt stores tensors as tensor leaves and everything
-else as tagged JSON (``unickpt.ext.encode``), which keeps tuples, integer keys, ``OrderedDict``, sets,
+else as tagged JSON (``unickpt.ext.Codec.encode``), which keeps tuples, integer keys, ``OrderedDict``, sets,
 dtypes and devices. What the engine's own state traversal would not keep is handled here:
 
 - every ``torch.Tensor`` is taken out of the tree and replaced by a placeholder
@@ -25,10 +25,19 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["split", "join", "TENSOR_TAG"]
+__all__ = ["split", "join", "global_step", "TENSOR_TAG", "FRAMEWORK", "TENSORS_KEY", "TREE_KEY"]
 
 TENSOR_TAG = "__unickpt_lightning_tensor__"
 _ODICT_TAG = "__unickpt_lightning_odict__"
+FRAMEWORK = "lightning"  # the ``framework`` recorded in the metadata of this plugin's checkpoints
+TENSORS_KEY = "tensors"  # the unickpt state of a checkpoint dict: {TENSORS_KEY: the tensors of split(),
+TREE_KEY = "lightning"  # TREE_KEY: the tensor-free tree}; the sharded route: TREE_KEY beside the live state
+
+
+def global_step(checkpoint: Any) -> int | None:
+    """The checkpoint dict's ``global_step`` (an int), or None."""
+    step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
+    return int(step) if isinstance(step, int) else None
 
 
 def split(checkpoint: Any, *, take_tensors: bool = True) -> tuple[Any, dict[str, torch.Tensor]]:

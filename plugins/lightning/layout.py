@@ -17,9 +17,9 @@ import json
 import posixpath
 from typing import Any
 
-from unickpt import StateMismatchError, ext
+from unickpt import StateMismatchError, ext, interop
 
-from ._layout import POINTER_NAME
+from ._pointers import POINTER_NAME
 
 __all__ = ["LightningLayout", "LAYOUT", "WRAPPERS", "locate"]
 
@@ -27,27 +27,27 @@ WRAPPERS = ("_forward_module",)
 """Lightning Fabric's wrapper module (``_FabricModule._forward_module``), dropped from parameter names."""
 
 
-class LightningLayout(ext.Layout):
+class LightningLayout(interop.Layout):
     """The ``lightning`` layout (see the module docstring)."""
 
     framework = "lightning"
 
-    def source(self, meta: Any) -> ext.SourceNames:
+    def source(self, meta: Any) -> interop.SourceNames:
         route = (meta.extra or {}).get("lightning_route")
         if route != "sharded":
             raise StateMismatchError(_full_dict(route))
-        out = ext.SourceNames()
+        out = interop.SourceNames()
         out_generic = super().source(meta)
         out.tensors, out.plain = out_generic.tensors, out_generic.plain
-        _, _, objects = ext.saved_leaves(meta.state_tree)
-        tree = ext.decode(objects.get("lightning"), key="lightning") if "lightning" in objects else {}
+        _, _, objects = ext.StateTools.saved_leaves(meta.state_tree)
+        tree = ext.Codec.decode(objects.get("lightning"), key="lightning") if "lightning" in objects else {}
         if isinstance(tree, dict):
             if isinstance(tree.get("global_step"), int):
                 out.plain["step"] = tree["global_step"]
             epochs = _epochs_done(tree)
             if epochs is not None:
                 out.plain["epoch"] = epochs
-            scheds = ext.decode(tree.get("lr_schedulers"), key="lightning.lr_schedulers")
+            scheds = ext.Codec.decode(tree.get("lr_schedulers"), key="lightning.lr_schedulers")
             if isinstance(scheds, list) and len(scheds) > 1:
                 raise StateMismatchError(f"the Lightning checkpoint holds {len(scheds)} LR schedulers; a cross-framework "
                                          "load moves one")

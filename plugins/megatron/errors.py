@@ -57,5 +57,6 @@ def as_checkpointing_errors() -> Iterator[None]:
         yield
     except UnickptError as e:
         if not isinstance(e, CheckpointingException):
-            e.__class__ = checkpointing_error(type(e))
+            cls: type = type(e)  # as `type`: mypy checks a type[X] argument as Hashable against X's __hash__
+            e.__class__ = checkpointing_error(cls)
         raise

@@ -36,8 +36,9 @@ import re
 from typing import Any
 
 import torch
+from megatron.core.dist_checkpointing.core import CONFIG_FNAME  # megatron-core's own metadata.json
 
-from unickpt import Fuse, Permute, Rename, Split, StateMismatchError, UnickptError, ext
+from unickpt import Fuse, Permute, Rename, Split, StateMismatchError, UnickptError, ext, interop
 
 from .layout import SUBDIR, stored_key
 from .mapping import OBJECT_PREFIX, KeyInfo, encode_object
@@ -120,7 +121,7 @@ _HF_TO_MEGATRON = {"num_attention_heads": "num_attention_heads", "num_key_value_
 
 
 # -- megatron -> Hugging Face ------------------------------------------------------------------------
-def export_hf_llama(reader: Any, model_config: dict) -> Any:
+def export_hf_llama(reader: interop.StoredCheckpoint, model_config: dict) -> interop.ExportPlan:
     """The ``hf-llama`` export of a megatron-core checkpoint: every ``LlamaForCausalLM`` tensor as pieces
     of the stored ones, and ``config.json``.
 
@@ -140,7 +141,7 @@ def export_hf_llama(reader: Any, model_config: dict) -> Any:
     model_config = {**recorded, **model_config}
     for key in ("num_attention_heads", "num_query_groups", "kv_channels", "max_position_embeddings"):
         _positive(model_config, key)
-    params = ext.StoredParams(reader.meta)
+    params = interop.StoredParams(reader.meta)
     names = params.names
     if not any(n.startswith("decoder.layers.0.mlp.linear_fc1.weight#") for n in names):
         raise StateMismatchError(f"{reader.path!r}: 'decoder.layers.*.mlp.linear_fc1.weight' is not stored as [gate; up] "
@@ -185,11 +186,11 @@ def export_hf_llama(reader: Any, model_config: dict) -> Any:
         "tie_word_embeddings": tied, "dtype": str(dtype), "torch_dtype": str(dtype)}
     for key, value in hf_extra.items():  # the source's other settings (token ids, rope scaling, ...)
         config.setdefault(key, value)
-    return ext.ExportPlan(tensors=tensors, files={"config.json": (json.dumps(config, indent=2) + "\n").encode()})
+    return interop.ExportPlan(tensors=tensors, files={"config.json": (json.dumps(config, indent=2) + "\n").encode()})
 
 
 # -- Hugging Face -> megatron ------------------------------------------------------------------------
-def import_megatron(state: dict, model_config: dict, src: str) -> Any:
+def import_megatron(state: dict, model_config: dict, src: str) -> interop.ImportPlan:
     """The ``megatron`` import of a Hugging Face Llama folder ``src`` (its tensors in ``state``, its
     ``config.json`` overridden by ``model_config``): a megatron-core ``dist_checkpointing`` directory with
     the ``unickpt`` backend, exactly what :class:`~unickpt.megatron.UnickptSaveShardedStrategy` writes
@@ -211,6 +212,7 @@ def import_megatron(state: dict, model_config: dict, src: str) -> Any:
     heads = _positive(cfg, "num_attention_heads")
     groups = _positive(cfg, "num_key_value_heads") or heads
     hidden = _positive(cfg, "hidden_size")
+    assert heads is not None and groups is not None and hidden is not None  # required above
     head_dim = _positive(cfg, "head_dim") or hidden // heads
     tensors = {k: v for k, v in state.items() if torch.is_tensor(v)}
     layers = _layers(list(tensors), r"model\.layers\.(\d+)\.")
@@ -221,7 +223,7 @@ def import_megatron(state: dict, model_config: dict, src: str) -> Any:
             "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight",
             "self_attention.linear_proj.weight", "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight",
             "mlp.linear_fc2.weight")]
-    resolve = ext.dict_resolver(tensors, llama_rules(heads, groups, head_dim, to="megatron"))
+    resolve = interop.dict_resolver(tensors, llama_rules(heads, groups, head_dim, to="megatron"))
     out: dict[str, torch.Tensor] = {}
     infos: dict[str, KeyInfo] = {}
     used: set[str] = set()
@@ -232,7 +234,7 @@ def import_megatron(state: dict, model_config: dict, src: str) -> Any:
             raise StateMismatchError(f"{src}: no tensor for megatron's {name!r} (looked for "
                                      f"{getattr(e, 'missing', [name])})") from None
         used.update(res.sources)
-        value = ext.materialize(res, ext.box_of(tensors), tensors[res.sources[0]].dtype)
+        value = interop.materialize(res, interop.box_of(tensors), tensors[res.sources[0]].dtype)
         key, idx = stored_key(name)
         fqn = key + (f"[{idx[0]}]" if idx else "")
         split = (0, 2) if name.endswith("mlp.linear_fc1.weight") else None
@@ -241,7 +243,7 @@ def import_megatron(state: dict, model_config: dict, src: str) -> Any:
         else:
             for s, half in enumerate(torch.chunk(value, 2, dim=0)):
                 out[f"{fqn}#{s}/2"] = half.contiguous()
-        info = KeyInfo(((len(layers),) if idx else ()) + tuple(value.shape), ext.dtype_to_str(value.dtype),
+        info = KeyInfo(((len(layers),) if idx else ()) + tuple(value.shape), ext.Codec.dtype_to_str(value.dtype),
                        1 if idx else 0, split)
         infos.setdefault(key, info)
     left = sorted(set(tensors) - used - {"lm_head.weight"} if tied else set(tensors) - used)
@@ -267,12 +269,12 @@ def import_megatron(state: dict, model_config: dict, src: str) -> Any:
     torch.save({}, common)
     outer = {"sharded_backend": "unickpt", "sharded_backend_version": 1, "common_backend": "torch",
              "common_backend_version": 1}
-    return ext.ImportPlan(state=out, framework="megatron", extra=extra, subdir=SUBDIR,
-                      files={"common.pt": common.getvalue(), "metadata.json": json.dumps(outer).encode()})
+    return interop.ImportPlan(state=out, framework="megatron", extra=extra, subdir=SUBDIR,
+                      files={"common.pt": common.getvalue(), CONFIG_FNAME: json.dumps(outer).encode()})
 
 
-def _conversions() -> list:
-    Conversion = ext.Conversion
+def _conversions() -> list[interop.Conversion]:
+    Conversion = interop.Conversion
     return [Conversion("hf-llama", "export", "a megatron-core GPT / Llama checkpoint as a Hugging Face Llama folder",
                        export_hf_llama),
             Conversion("megatron", "import", "a Hugging Face Llama folder as a megatron-core dist_checkpointing "

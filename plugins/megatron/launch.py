@@ -96,7 +96,7 @@ def uninstall() -> None:
     patched = ser.get_default_save_sharded_strategy
     for m in list(sys.modules.values()):
         if getattr(m, "get_default_save_sharded_strategy", None) is patched:
-            m.get_default_save_sharded_strategy = _ORIGINAL["fn"]
+            setattr(m, "get_default_save_sharded_strategy", _ORIGINAL["fn"])
     for m in (ser, mdc):
         m.get_default_save_sharded_strategy = _ORIGINAL["fn"]
     _ORIGINAL.clear()

@@ -17,9 +17,8 @@ of both the Transformer-Engine and the local layer specs).
 from __future__ import annotations
 
 import re
-from typing import Any
 
-from unickpt import Fuse, ext
+from unickpt import CheckpointMetadata, Fuse, interop
 
 from .mapping import OBJECT_PREFIX
 
@@ -46,20 +45,21 @@ def stored_key(name: str) -> tuple[str, tuple[int, ...]]:
     return f"{m.group('head')}.{m.group('rest')}", (int(m.group("i")),)
 
 
-class MegatronLayout(ext.Layout):
+class MegatronLayout(interop.Layout):
     """The ``megatron`` layout (see the module docstring)."""
 
     framework = "megatron"
 
-    def source(self, meta: Any) -> ext.SourceNames:
+    def source(self, meta: CheckpointMetadata) -> interop.SourceNames:
         keys = (meta.extra.get("megatron") or {}).get("keys", {})
-        out = ext.SourceNames()
+        out = interop.SourceNames()
         slabs: dict[str, tuple[int, int]] = {}
         for fqn in sorted(set(meta.tensors) | set(meta.aliases)):
             if fqn.startswith(OBJECT_PREFIX):
                 out.private.append(fqn)
                 continue
             m = _FQN.fullmatch(fqn)
+            assert m is not None  # _FQN matches every non-empty name
             key, idx = m.group("key"), tuple(int(x) for x in (m.group("idx") or "").split(",") if x)
             name = param_name(key, idx)
             if m.group("slab"):
@@ -69,7 +69,7 @@ class MegatronLayout(ext.Layout):
                     continue
                 slabs[name] = (int(split[0]), int(split[1]))
                 name = f"{name}#{m.group('slab')}"
-            out.tensors[(ext.PARAM, name)] = fqn
+            out.tensors[(interop.PARAM, name)] = fqn
         out.rules = [Fuse(name, tuple(f"{name}#{s}/{k}" for s in range(k)), axis) for name, (axis, k) in sorted(slabs.items())]
         return out
 

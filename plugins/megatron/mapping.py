@@ -27,7 +27,7 @@ unickpt holds one shard per rank and fqn, so a ShardedTensor key maps to one or 
   along its leading non-singleton dim, or the slice stays within one row), otherwise a save fails
   naming the key, and a load reads the whole local box and copies the slice out;
 - a ShardedObject becomes a ``uint8`` tensor under ``OBJECT_PREFIX + unique_key`` holding the value
-  as unickpt tagged JSON (:mod:`unickpt.codec`; no pickle unless ``allow_pickle``), in the state of
+  as unickpt tagged JSON (:mod:`unickpt.state.codec`; no pickle unless ``allow_pickle``), in the state of
   the rank holding its main replica only.
 
 Replicas of a ShardedTensor (same key and box, ``replica_id != 0``: DP copies, TP-replicated
@@ -46,6 +46,7 @@ vocabularies) whose global shape differs gets zeros plus the stored overlap, meg
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -104,17 +105,17 @@ def global_flat_range(global_shape: tuple[int, ...], offsets: tuple[int, ...], l
 
 
 def encode_object(value: Any, key: str, allow_pickle: bool) -> torch.Tensor:
-    """A ShardedObject's value as a 1-D ``uint8`` tensor of UTF-8 tagged JSON (:mod:`unickpt.codec`).
+    """A ShardedObject's value as a 1-D ``uint8`` tensor of UTF-8 tagged JSON (:mod:`unickpt.state.codec`).
 
     Raises UnsafeObjectError (naming ``key``) for a value only pickle can store and ``allow_pickle`` off.
     """
-    text = json.dumps(ext.encode(value, allow_pickle=allow_pickle, key=key), separators=(",", ":"))
+    text = json.dumps(ext.Codec.encode(value, allow_pickle=allow_pickle, key=key), separators=(",", ":"))
     return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
 
 
 def decode_object(buf: torch.Tensor, key: str, allow_pickle: bool) -> Any:
     """Inverse of :func:`encode_object`. Raises UnsafeObjectError for a pickle and ``allow_pickle`` off."""
-    return ext.decode(json.loads(bytes(buf.numpy()).decode()), allow_pickle=allow_pickle, key=key)
+    return ext.Codec.decode(json.loads(bytes(buf.numpy()).decode()), allow_pickle=allow_pickle, key=key)
 
 
 
@@ -153,6 +154,7 @@ class KeyInfo:
     def bounds(self) -> tuple[int, ...]:
         """The ``k + 1`` slab boundaries ``(0, ..., length)`` along the split axis (``split`` is set; for
         equal slabs ``k`` divides the axis, which :func:`_pieces` checks)."""
+        assert self.split is not None, "bounds() of a key stored whole"
         d, k = self.split
         n = self.shape[self.prepend + d]
         return (0, *self.cuts, n) if self.cuts is not None else tuple(i * (n // k) for i in range(k + 1))
@@ -256,7 +258,7 @@ def prepare_save(sharded_state_dict: Any, *, allow_pickle: bool = False, balance
             if sh.key.startswith(OBJECT_PREFIX):
                 out.errors.append(f"ShardedTensor key {sh.key!r} uses the prefix {OBJECT_PREFIX!r} reserved for ShardedObjects")
                 continue
-            info = KeyInfo(tuple(int(n) for n in sh.global_shape), ext.dtype_to_str(sh.dtype), sh.prepend_axis_num).to_json()
+            info = KeyInfo(tuple(int(n) for n in sh.global_shape), ext.Codec.dtype_to_str(sh.dtype), sh.prepend_axis_num).to_json()
             if out.infos.setdefault(sh.key, info) != info:
                 out.errors.append(f"ShardedTensor {sh.key!r}: shards disagree on global shape / dtype / prepended "
                                   f"axes: {out.infos[sh.key]} and {info}")
@@ -342,7 +344,13 @@ def _pieces(e: _Entry, info: KeyInfo) -> list[tuple[str, tuple, tuple, tuple, in
     return out
 
 
+def _copy_flat(dst: torch.Tensor, box: torch.Tensor, start: int, stop: int) -> None:
+    """``dst`` (contiguous) = the elements ``[start, stop)`` of ``box`` in row-major order."""
+    dst.view(-1).copy_(box.view(-1)[start:stop])
+
+
 def _noncontiguous(e: _Entry, shape: tuple, offs: tuple, lens: tuple) -> str:
+    assert e.flat is not None  # called for flattened boxes only
     return (f"ShardedTensor {e.sh.key!r}: flattened_range [{e.flat[0]}, {e.flat[1]}) of the local box offsets "
             f"{list(offs)} lengths {list(lens)} is not one contiguous range of the global tensor {list(shape)}; "
             "unickpt stores one box or one flat range per rank and fqn (use the distributed optimizer's "
@@ -411,7 +419,7 @@ def to_load_targets(sharded_state_dict: Any, infos: dict[str, KeyInfo], object_s
             if sh.data is None:
                 sh.init_data("cpu")
             info = infos.get(sh.key)
-            want = (tuple(int(n) for n in sh.global_shape), ext.dtype_to_str(sh.data.dtype), sh.prepend_axis_num)
+            want = (tuple(int(n) for n in sh.global_shape), ext.Codec.dtype_to_str(sh.data.dtype), sh.prepend_axis_num)
             if info is None:
                 out.errors.append(f"ShardedTensor {sh.key!r} is not in the checkpoint")
                 continue
@@ -454,7 +462,7 @@ def to_load_targets(sharded_state_dict: Any, infos: dict[str, KeyInfo], object_s
                 pieces = _pieces(e, info)
                 if e.flat is not None and (len(pieces) != 1 or global_flat_range(*pieces[0][1:4], *e.flat) is None):
                     box = torch.empty(e.lengths, dtype=sh.data.dtype)  # read the whole box, copy the slice out
-                    out.after.append(lambda b=box, t=sh.data, a=e.flat[0], z=e.flat[1]: t.view(-1).copy_(b.view(-1)[a:z]))
+                    out.after.append(functools.partial(_copy_flat, sh.data, box, *e.flat))
                     e = _Entry(sh, e.base, e.shape, e.offsets, e.lengths, None)
                     data = box
                 for piece in pieces:

@@ -54,6 +54,7 @@ saved layout: ``rng_state/shard_0.3_1.4`` exists only for a run with 4 such shar
 ``"error"`` raises StateMismatchError naming the key and the stored shards of that key;
 ``"skip"`` leaves it out of the returned state dict (megatron-LM drops RNG state on a layout change)."""
 
+from megatron.core.dist_checkpointing.core import CONFIG_FNAME as _MARKER  # noqa: E402  megatron's own metadata.json
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest  # noqa: E402
 from megatron.core.dist_checkpointing.strategies.base import (  # noqa: E402
     AsyncSaveShardedStrategy, LoadShardedStrategy, StrategyAction, register_default_strategy)
@@ -83,12 +84,13 @@ def _clear_previous(engine: Any, checkpoint_dir: Any, path: str) -> list[str]:
         return [f"a save into {os.fspath(checkpoint_dir)!r} started by this process is still in flight (its "
                 "AsyncRequest is not finalized); finalize it before saving there again"]
     storage = ext.open_storage(path)
-    if not ext.is_committed(storage, path):
+    ckpt = ext.CheckpointDir(storage, path)
+    if not ckpt.is_committed():
         return []
     log.warning("unickpt.megatron: overwriting the checkpoint in %s (megatron's overwrite semantics)", checkpoint_dir)
     try:
-        storage.rm(storage.join(os.fspath(checkpoint_dir), "metadata.json"))  # megatron's own marker goes first
-        ext.remove_checkpoint_dir(storage, path)
+        storage.rm(storage.join(os.fspath(checkpoint_dir), _MARKER))  # megatron's own marker goes first
+        ckpt.remove()
     except OSError as e:
         return [f"cannot remove the previous checkpoint in {os.fspath(checkpoint_dir)!r}: {type(e).__name__}: {e}"]
     return []
@@ -124,7 +126,7 @@ class UnickptSaveShardedStrategy(AsyncSaveShardedStrategy):
     Args:
         process_group: the ranks saving (default: the world, as ``dist_checkpointing`` assumes).
         allow_pickle: store ShardedObject values that have no tagged-JSON form (see
-            :mod:`unickpt.codec`) as pickles; off: such a value fails the save naming its key.
+            :mod:`unickpt.state.codec`) as pickles; off: such a value fails the save naming its key.
         balance_replicas: hand every replica of a ShardedTensor to unickpt, whose planner writes
             each box once from the least loaded holder (replicas must be bitwise identical). Off:
             only main replicas (``replica_id`` 0) are written, megatron's rule.
@@ -247,7 +249,7 @@ class UnickptLoadShardedStrategy(LoadShardedStrategy):
         """``(unickpt path, its CheckpointMetadata, key -> KeyInfo)``. Raises CheckpointNotFoundError,
         IntegrityError when the metadata lacks the megatron key table."""
         path = unickpt_dir(checkpoint_dir)
-        meta = ext.read_metadata(path)
+        meta = ext.CheckpointDir.open(path).read_metadata()
         try:
             keys = meta.extra["megatron"]["keys"]
             infos = {k: KeyInfo.from_json(d) for k, d in keys.items()}
@@ -317,7 +319,7 @@ class UnickptLoadShardedStrategy(LoadShardedStrategy):
 
         _, _, infos = self._metadata(checkpoint_dir)
         return {k: ShardedTensor.from_rank_offsets(
-                    k, torch.empty(i.shape, dtype=ext.str_to_dtype(i.dtype), device="meta")).without_data()
+                    k, torch.empty(i.shape, dtype=ext.Codec.str_to_dtype(i.dtype), device="meta")).without_data()
                 for k, i in infos.items()}
 
     @as_checkpointing_errors()

@@ -15,7 +15,7 @@ import scale_workers as sw
 from unickpt.format.metadata import CheckpointMetadata
 from unickpt.plan.save_plan import LocalPlan, decode_plans, make_global_plan, make_local_plan, make_save_plan
 from unickpt.plan.read_plan import make_read_plan
-from unickpt.loading.targets import merge_ranges
+from unickpt.plan.needs import merge_byte_ranges
 from unickpt.geometry import Box, ChunkIndex, EvenSplit, FlatRange, check_exact_cover, chunk_pieces, intersect
 
 _spec = importlib.util.spec_from_file_location(
@@ -171,7 +171,7 @@ def test_read_plan_sweep_matches_brute_force():
         n = {}
         for cid in range(6):
             if rnd.random() < 0.6:
-                n[cid] = merge_ranges([(s, rnd.randint(1, 40)) for s in rnd.sample(range(200), rnd.randint(1, 5))])
+                n[cid] = merge_byte_ranges([(s, rnd.randint(1, 40)) for s in rnd.sample(range(200), rnd.randint(1, 5))])
         needs.append(n)
     segs = make_read_plan(needs)
     pieces = _brute_read_plan_pieces(needs)

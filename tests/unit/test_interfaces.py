@@ -1,10 +1,9 @@
 """The seams of the restructured core: the plugin interface (unickpt.ext), per-call options and the
-environment, the fault-injecting storage backend, and the deprecated 0.1 module paths."""
+environment, and the fault-injecting storage backend."""
 from __future__ import annotations
 
 import errno
 import os
-import warnings
 
 import pytest
 import torch
@@ -14,7 +13,9 @@ from unickpt import ext
 from unickpt.testing import Fault, FaultyStorage, inject
 
 
-def test_every_ext_name_resolves():
+def test_every_ext_name_resolves_and_ext_stays_narrow():
+    """The plugin interface is at most 15 names (issue 32), each resolving."""
+    assert len(ext.__all__) <= 15, ext.__all__
     for name in ext.__all__:
         assert getattr(ext, name) is not None, name
 
@@ -29,7 +30,7 @@ def test_engine_handle_saves_loads_and_tracks_paths_in_flight(tmp_path):
         gate.release()
         handle.wait()
     assert not handle.in_flight(str(tmp_path / "c"))
-    meta = ext.read_metadata(str(tmp_path / "c"))
+    meta = ext.CheckpointDir.open(str(tmp_path / "c")).read_metadata()
     assert meta.framework == "test" and meta.extra == {"k": 1}
     out = {"w": torch.zeros(4)}
     stats = handle.load(str(tmp_path / "c"), out)
@@ -68,8 +69,8 @@ def test_checkpoint_root_rules(tmp_path):
     root.write_latest("step_2")
     root.update_latest()  # never left behind a newer commit
     assert root.read_latest() == "step_3"
-    ext.remove_checkpoint_dir(root.storage, root.path(3))
-    assert not ext.is_committed(root.storage, root.path(3)) and not os.path.exists(root.path(3))
+    root.dir(3).remove()
+    assert not root.dir(3).is_committed() and not os.path.exists(root.path(3))
 
 
 # -- options ----------------------------------------------------------------------------------------
@@ -158,48 +159,6 @@ def test_faulty_storage_delegates_everything_else(tmp_path):
     assert bytes(buf) == b"ell" and st.bytes_read == 3 and st.faults[0].seen == 1
     with pytest.raises(ValueError, match="op must be one of"):
         Fault("unlink")
-
-
-# -- deprecated module paths -------------------------------------------------------------------------------
-def test_old_module_paths_still_work_and_warn():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        from unickpt.metadata import METADATA_FILE, CheckpointMetadata, writer_alive  # noqa: F401
-        from unickpt.storage import Storage
-        from unickpt.pipeline import SaveOptions
-    assert METADATA_FILE == "metadata.json" and SaveOptions is unickpt.SaveOptions
-    assert isinstance(Storage(".", None), ext.StorageBackend) and CheckpointMetadata is unickpt.CheckpointMetadata
-    texts = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
-    assert any("unickpt.metadata is deprecated" in t for t in texts)
-    assert any("unickpt.storage.Storage is deprecated" in t for t in texts)
-
-
-def test_deprecated_names_that_moved_or_changed_shape():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        from unickpt.state import flatten  # the 0.1 function (its module is now unickpt.state.flat)
-        from unickpt.loading import DEFAULT_READ_BUFFER_BYTES, load_checkpoint
-        from unickpt.retention import update_latest
-        from unickpt.storage import Storage
-    assert flatten is ext.flatten and callable(update_latest) and DEFAULT_READ_BUFFER_BYTES == 512 << 20
-    assert callable(load_checkpoint)
-    backend = Storage("/tmp", retry_total_s=5)
-    assert isinstance(backend, Storage) and backend.is_local
-    texts = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
-    assert "unickpt.state.flatten is deprecated; import it from unickpt.state.flat" in texts
-    assert any(t.startswith("unickpt.storage.Storage is deprecated: Deprecated (0.1's storage class)") for t in texts)
-
-
-def test_python_m_unickpt_cli_still_runs_and_warns(tmp_path):
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-m", "unickpt.cli", "ls", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "python -m unickpt.cli is deprecated; use python -m unickpt" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "unickpt", "ls", str(tmp_path)], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
 
 
 def test_option_types_are_checked_and_named():

@@ -1,5 +1,5 @@
 """The shape of the code: core/ layers import only downwards, with no cycles, and plugins use only
-``unickpt`` and ``unickpt.ext`` of the core (docs/design.md). Read from the sources (every import
+``unickpt``, ``unickpt.ext`` and ``unickpt.interop`` of the core (docs/design.md). Read from the sources (every import
 statement, also those inside functions), so a lazy import cannot hide a dependency."""
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ PLUGINS = os.path.join(ROOT, "plugins")
 
 # bottom to top; a module may import its own layer and the ones below
 LAYERS = [
-    {"unickpt.errors", "unickpt.options", "unickpt._lazy", "unickpt._util", "unickpt._compat", "unickpt.geometry"},
+    {"unickpt.errors", "unickpt.options", "unickpt.requests", "unickpt._lazy", "unickpt._util", "unickpt.geometry"},
     {"unickpt.format", "unickpt.storage", "unickpt.dist"},
     {"unickpt.state", "unickpt.lifecycle"},
     {"unickpt.plan"},
+    {"unickpt.interop"},
     {"unickpt.saving", "unickpt.loading", "unickpt.tiers"},
     {"unickpt.engine", "unickpt.teardown", "unickpt.api", "unickpt.checkpointer"},
-    {"unickpt.ext", "unickpt.tools", "unickpt.testing", "unickpt._startup", "unickpt.__main__", "unickpt"},
+    {"unickpt.ext"},
+    {"unickpt.tools", "unickpt.testing", "unickpt._startup", "unickpt.__main__", "unickpt"},
 ]
 PLUGIN_NAMES = sorted(d for d in os.listdir(PLUGINS) if os.path.isdir(os.path.join(PLUGINS, d)) and d != "__pycache__")
 
@@ -161,24 +163,87 @@ def test_core_names_no_framework():
 
 @pytest.mark.parametrize("plugin", PLUGIN_NAMES)
 def test_plugins_use_only_the_public_names_and_ext(plugin):
-    """A plugin imports ``unickpt`` (its public names), ``unickpt.ext`` and plugins, nothing else of the core."""
+    """A plugin imports ``unickpt`` (its public names), ``unickpt.ext`` (what it uses of the engine),
+    ``unickpt.interop`` (what it implements: layouts, sources, conversions) and plugins, nothing else of
+    the core."""
     sys.path.insert(0, CORE)  # read unickpt.__all__ without importing anything heavy
     try:
         import unickpt
         public = set(unickpt.__all__)
     finally:
         sys.path.remove(CORE)
-    allowed = {f"unickpt.{p}" for p in PLUGIN_NAMES} | {"unickpt.ext"}
+    allowed = {f"unickpt.{p}" for p in PLUGIN_NAMES} | {"unickpt.ext", "unickpt.interop"}
     bad = []
     for mod, path in _modules(os.path.join(PLUGINS, plugin), f"unickpt.{plugin}").items():
         for target_mod, names, line in _imports(mod, path):
             if target_mod == "unickpt":
                 bad += [f"{mod}:{line} from unickpt import {n}" for n in names
                         if n not in public and n != "ext" and f"unickpt.{n}" not in allowed]
-            elif target_mod.startswith("unickpt.") and not any(
-                    target_mod == a or target_mod.startswith(a + ".") for a in allowed):
+            elif target_mod.startswith("unickpt.") and not any(  # the package of ext / interop, not its modules
+                    target_mod == a or (a.removeprefix("unickpt.") in PLUGIN_NAMES and target_mod.startswith(a + "."))
+                    for a in allowed):
                 bad.append(f"{mod}:{line} imports {target_mod}")
     assert bad == []
+
+
+def _plugin_graph(plugin_dir: str, package: str) -> dict[str, set[str]]:
+    """``{module: modules of the same plugin it imports}``, every import statement counted (also those
+    inside functions); a module importing its own package is not an edge (as for the core). A package
+    ``__init__`` that names its submodules in ``lazy_getattr`` strings does not import them."""
+    mods = _modules(plugin_dir, package)
+    graph: dict[str, set[str]] = {}
+    for mod, path in mods.items():
+        for target_mod, names, _ in _imports(mod, path):
+            for target in _targets(target_mod, names, mods):
+                if target != mod and not mod.startswith(target + "."):
+                    graph.setdefault(mod, set()).add(target)
+    return graph
+
+
+@pytest.mark.parametrize("plugin", PLUGIN_NAMES)
+def test_plugins_have_no_module_import_cycles(plugin):
+    """Within a plugin, data flows one way too: no cycle between its modules, function-level imports
+    included (a lazy import would only hide one)."""
+    cycle = _find_cycle(_plugin_graph(os.path.join(PLUGINS, plugin), f"unickpt.{plugin}"))
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+MAX_CLASS_LINES = 300  # issue 32: a class longer than this holds more than one responsibility
+
+
+def _long_classes(*bases: str) -> dict[str, int]:
+    """``{"<file relative to the root>:<class>": lines}`` of the classes over MAX_CLASS_LINES lines."""
+    out = {}
+    for base in bases:
+        for dirpath, dirs, files in os.walk(base):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    for node in ast.walk(ast.parse(open(path).read(), path)):
+                        n = node.end_lineno - node.lineno + 1 if isinstance(node, ast.ClassDef) else 0
+                        if n > MAX_CLASS_LINES:
+                            out[f"{os.path.relpath(path, ROOT).replace(os.sep, '/')}:{node.name}"] = n
+    return out
+
+
+def test_no_class_is_over_300_lines():
+    assert _long_classes(CORE, PLUGINS) == {}
+
+
+def test_the_plugin_checks_see_a_cycle_and_a_long_class(tmp_path):
+    """A function-level import closing a cycle and a 301-line class in a synthetic plugin are found;
+    lazy_getattr strings of a package ``__init__`` are no edge."""
+    pkg = tmp_path / "demo"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from unickpt.ext import lazy_getattr\n"
+                                     "__getattr__ = lazy_getattr(__name__, {'A': '.a', 'B': '.b'})\n")
+    (pkg / "a.py").write_text("from .b import g\n\nclass A:\n" + "    x = 1\n" * 300)
+    (pkg / "b.py").write_text("def g():\n    from . import a\n    return a\n")
+    assert _find_cycle(_plugin_graph(str(pkg), "unickpt.demo")) == ["unickpt.demo.a", "unickpt.demo.b", "unickpt.demo.a"]
+    assert {k.rsplit("/", 1)[-1]: n for k, n in _long_classes(str(pkg)).items()} == {"a.py:A": 301}
+    (pkg / "b.py").write_text("def g():\n    return 1\n")
+    assert _find_cycle(_plugin_graph(str(pkg), "unickpt.demo")) is None
 
 
 def test_the_layer_test_sees_a_violation(tmp_path):

@@ -127,7 +127,7 @@ class _Wrapped(nn.Module):
 def test_wrapper_components_are_dropped_on_both_sides(tmp_path):
     model, _, _ = _trained()
     unickpt.save(tmp_path / "c", {"model": _Wrapped(model)})
-    assert "model._orig_mod.0.weight" in unickpt.ext.read_metadata(str(tmp_path / "c")).tensors
+    assert "model._orig_mod.0.weight" in unickpt.ext.CheckpointDir.open(str(tmp_path / "c")).read_metadata().tensors
     plain = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
     unickpt.load(tmp_path / "c", {"weights": plain}, mapping="auto")
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))
@@ -189,13 +189,14 @@ def test_two_models_are_ambiguous(tmp_path):
 
 
 def test_export_reader_reads_boxes_and_resolved_pieces(tmp_path):
+    from unickpt.interop import StoredParams
     from unickpt.tools.reader import CheckpointReader
 
     t = torch.arange(60.0).view(6, 10)
     unickpt.save(tmp_path / "c", {"w": t})
     reader = CheckpointReader(str(tmp_path / "c"))
     assert torch.equal(reader.read_box("w", (2, 3), (3, 4)), t[2:5, 3:7])
-    params = unickpt.ext.StoredParams(reader.meta)
-    res = params.resolver([Permute("p", "w", 0, 2, (2, 0, 1))])("p")
+    params = StoredParams(reader.meta)
+    res = params.resolver((Permute("p", "w", 0, 2, (2, 0, 1)),))("p")
     assert torch.equal(reader.read_resolved(res), torch.cat([t[4:6], t[0:4]]))
     assert params.names == ["w"] and params.fqns == ["w"]

@@ -326,7 +326,7 @@ def _folder(root, n: int, kind: str) -> str:
 
 
 def test_rotation_never_deletes_a_save_in_flight_or_the_new_checkpoint(tmp_path):
-    from unickpt.accelerate import _layout
+    from unickpt.accelerate import _folders
 
     root = str(tmp_path)
     f0 = _folder(root, 0, "native")
@@ -334,22 +334,22 @@ def test_rotation_never_deletes_a_save_in_flight_or_the_new_checkpoint(tmp_path)
     f2 = _folder(root, 2, "writing")
     f3 = _folder(root, 3, "committed")
     f10 = _folder(root, 10, "crashed")  # uncommitted, writer gone: numeric order, not string order
-    assert _layout.newest_loadable(root) == f3
+    assert _folders.newest_loadable(root) == f3
     in_flight = {os.path.join(f2, "unickpt", "step_0")}
-    deleted = _layout.rotate(root, 2, keep=f3, in_flight=lambda p: p in in_flight)
+    deleted = _folders.rotate(root, 2, keep=f3, in_flight=lambda p: p in in_flight)
     # 5 folders, limit 2: the oldest deletable ones go; checkpoint_2 is still being written, so it stays
     assert deleted == [f0, os.path.join(root, "checkpoint_1"), f10]
-    assert [n for n, _ in _layout.checkpoint_folders(root)] == [2, 3]
-    assert _layout.rotate(root, 1, keep=f3, in_flight=lambda p: p in in_flight) == []
-    assert _layout.rotate(root, 1, keep=f3, in_flight=lambda p: False) == []  # the writer record is alive
+    assert [n for n, _ in _folders.checkpoint_folders(root)] == [2, 3]
+    assert _folders.rotate(root, 1, keep=f3, in_flight=lambda p: p in in_flight) == []
+    assert _folders.rotate(root, 1, keep=f3, in_flight=lambda p: False) == []  # the writer record is alive
     assert os.path.isdir(f2) and os.path.isdir(f3)
     # the leftover of a save that died goes before the oldest committed checkpoint
     other = str(tmp_path / "other")
     g0, g1, g2 = _folder(other, 0, "committed"), _folder(other, 1, "crashed"), _folder(other, 2, "committed")
-    assert _layout.rotate(other, 2, keep=g2, in_flight=lambda p: False) == [g1]
-    assert _layout.newest_number(other) == 2 and _layout.newest_loadable(other) == g2
+    assert _folders.rotate(other, 2, keep=g2, in_flight=lambda p: False) == [g1]
+    assert _folders.newest_number(other) == 2 and _folders.newest_loadable(other) == g2
     os.makedirs(os.path.join(other, "checkpoint_3"))  # killed before it wrote anything: not loadable
-    assert _layout.newest_number(other) == 3 and _layout.newest_loadable(other) == g2
+    assert _folders.newest_number(other) == 3 and _folders.newest_loadable(other) == g2
     assert os.path.isdir(g0)
 
 
@@ -645,7 +645,7 @@ def test_two_rotations_at_once_delete_only_the_oldest(tmp_path, monkeypatch):
     import shutil
     import threading
 
-    from unickpt.accelerate import _layout
+    from unickpt.accelerate import _folders
 
     root = str(tmp_path)
     for n in (8, 9):
@@ -665,7 +665,7 @@ def test_two_rotations_at_once_delete_only_the_oldest(tmp_path, monkeypatch):
     results = {}
 
     def rotate(name):
-        results[name] = _layout.rotate(root, 2, keep=f10, in_flight=lambda p: False)
+        results[name] = _folders.rotate(root, 2, keep=f10, in_flight=lambda p: False)
 
     first = threading.Thread(target=rotate, args=("first",))
     first.start()
@@ -677,4 +677,4 @@ def test_two_rotations_at_once_delete_only_the_oldest(tmp_path, monkeypatch):
     first.join(10)
     second.join(10)
     assert results == {"first": [os.path.join(root, "checkpoint_8")], "second": []}
-    assert [n for n, _ in _layout.checkpoint_folders(root)] == [9, 10]
+    assert [n for n, _ in _folders.checkpoint_folders(root)] == [9, 10]

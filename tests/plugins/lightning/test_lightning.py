@@ -286,13 +286,14 @@ def test_pointer_layout_checkpoints_still_load(tmp_path):
     loads; overwriting it with a new save replaces it by a single file and removes its data folder."""
     from unickpt.dist.comm import THIS_PROCESS
     from unickpt.engine import get_engine
+    from unickpt.requests import SaveRequest
     from unickpt.lightning._tree import split
 
     path = tmp_path / "last.ckpt"
     vdir = str(tmp_path / "last.ckpt.unickpt" / "step_1")
     tree, tensors = split({"global_step": 3, "w": torch.arange(4.0)})  # what the earlier release stored
-    get_engine(THIS_PROCESS).save(vdir, {"tensors": tensors, "lightning": tree}, framework="lightning",
-                                  allow_pickle=True)
+    get_engine(THIS_PROCESS).save(SaveRequest(vdir, framework="lightning", allow_pickle=True),
+                                  {"tensors": tensors, "lightning": tree})
     path.write_text(json.dumps({"format": "unickpt-lightning", "format_version": 1,
                                 "checkpoint": "last.ckpt.unickpt/step_1", "route": "io", "global_step": 3,
                                 "tensors_from": None}))
@@ -310,6 +311,7 @@ def test_async_save_returns_before_the_write_and_snapshots(tmp_path, monkeypatch
     the write is held back; the checkpoint still holds the values at save time. Outside a run (a
     script, ``trainer.save_checkpoint`` after ``fit``) the save completes before it returns."""
     import unickpt.storage.registry as storage_base
+    from unickpt.lightning import _inflight
     from unickpt.lightning import io as io_module
     from unickpt.testing import Fault, install
 
@@ -330,7 +332,7 @@ def test_async_save_returns_before_the_write_and_snapshots(tmp_path, monkeypatch
     assert torch.equal(out["w"], torch.arange(1 << 16, dtype=torch.float32))
     monkeypatch.setattr(io_module, "trainer_running", lambda: False)
     io.save_checkpoint({"global_step": 2, "w": w}, tmp_path / "b.ckpt")
-    assert io.last_handle.done() and not io_module._ENGINE  # committed, and the engine's threads given back
+    assert io.last_handle.done() and not _inflight._ENGINE  # committed, and the engine's threads given back
 
 
 def test_s3_remote_root(s3):

@@ -3,6 +3,8 @@
 
 A :class:`Conversion` is registered by a plugin under the entry-point group ``unickpt.conversions``
 (``hf-llama`` and ``megatron`` by :mod:`unickpt.megatron.hf`), so this module names no framework.
+Call order: the tool (:mod:`unickpt.tools.export` / :mod:`unickpt.tools.importers`) looks the conversion up
+(:func:`get_conversion`), calls ``run`` once on the caller's thread, then writes what the plan says.
 
 - An **export** conversion gets the checkpoint (a :class:`~unickpt.tools.reader.CheckpointReader`) and the
   caller's model configuration and returns an :class:`ExportPlan`: every output tensor as a
@@ -17,15 +19,17 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable, Literal, Protocol, TypeVar, cast
 
 import torch
 
 from ..errors import UnickptError
 from ..format.dtypes import dtype_to_str
+from ..format.metadata import CheckpointMetadata
 from ..plan.mapping import Mapping, Resolved, Rule
+from . import entry_points
 
-__all__ = ["Conversion", "ExportPlan", "ImportPlan", "conversions", "get_conversion", "materialize", "box_of",
+__all__ = ["Conversion", "ExportPlan", "ImportPlan", "StoredCheckpoint", "ExportRun", "ImportRun", "conversions", "get_conversion", "materialize", "box_of",
            "dict_resolver"]
 
 
@@ -51,36 +55,71 @@ class ImportPlan:
     files: dict[str, bytes] = field(default_factory=dict)
 
 
+class StoredCheckpoint(Protocol):
+    """What an export conversion reads of the checkpoint (a :class:`unickpt.tools.reader.CheckpointReader`):
+    its path, its metadata and (through :class:`~unickpt.interop.StoredParams`) its parameters by name."""
+
+    path: str
+    meta: CheckpointMetadata
+
+
+_P = TypeVar("_P", "ExportPlan", "ImportPlan")
+
+ExportRun = Callable[[StoredCheckpoint, dict], ExportPlan]
+"""``run(checkpoint, model_config) -> ExportPlan`` of an export conversion."""
+ImportRun = Callable[[dict, dict, str], ImportPlan]
+"""``run(state, model_config, src) -> ImportPlan`` of an import conversion (``src``: the source's path)."""
+
+
 @dataclass(frozen=True)
 class Conversion:
     """A named conversion (entry-point group ``unickpt.conversions``).
 
     Attributes:
         name: the ``--to`` value.
-        kind: ``"export"`` (``run(reader, model_config) -> ExportPlan``) or ``"import"``
-            (``run(state, model_config, src) -> ImportPlan``).
+        kind: ``"export"`` (``run`` is an :data:`ExportRun`) or ``"import"`` (an :data:`ImportRun`).
         description: one line for ``--help`` and errors.
-        run: the function.
+        run: the function; raises UnickptError / StateMismatchError naming what does not fit.
     """
 
     name: str
-    kind: str
+    kind: Literal["export", "import"]
     description: str
-    run: Callable[..., Any]
+    run: ExportRun | ImportRun
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("export", "import"):
+            raise ValueError(f"conversion {self.name!r}: kind must be 'export' or 'import', not {self.kind!r}")
+
+    def export(self, checkpoint: StoredCheckpoint, model_config: dict) -> ExportPlan:
+        """Run an export conversion. Raises TypeError for an import one, or when ``run`` returns no ExportPlan."""
+        self._expect("export")
+        return self._checked(cast(ExportRun, self.run)(checkpoint, model_config), ExportPlan)
+
+    def import_(self, state: dict, model_config: dict, src: str) -> ImportPlan:
+        """Run an import conversion. Raises TypeError for an export one, or when ``run`` returns no ImportPlan."""
+        self._expect("import")
+        return self._checked(cast(ImportRun, self.run)(state, model_config, src), ImportPlan)
+
+    def _expect(self, kind: str) -> None:
+        if self.kind != kind:
+            raise TypeError(f"conversion {self.name!r} is an {self.kind} conversion, not an {kind} one")
+
+    def _checked(self, plan: object, cls: type[_P]) -> _P:
+        if not isinstance(plan, cls):
+            raise TypeError(f"conversion {self.name!r} returned {type(plan).__name__}, not a {cls.__name__}")
+        return plan
 
 
 @functools.lru_cache(maxsize=1)
 def conversions() -> dict[tuple[str, str], Conversion]:
-    """The installed conversions, by ``(kind, name)``; a plugin that cannot be imported is left out."""
-    from importlib.metadata import entry_points
-
+    """The installed conversions, by ``(kind, name)``; a plugin that cannot be imported is left out.
+    Raises TypeError for an entry point that is not a Conversion (or a list of them)."""
     out: dict[tuple[str, str], Conversion] = {}
-    for ep in entry_points(group="unickpt.conversions"):
-        try:
-            found = ep.load()
-        except ImportError:
-            continue
+    for name, found in entry_points.load_all("unickpt.conversions").items():
         for conv in found if isinstance(found, (list, tuple)) else [found]:
+            if not isinstance(conv, Conversion):
+                raise TypeError(f"the unickpt.conversions entry point {name!r} holds {conv!r}, not a unickpt Conversion")
             out[(conv.kind, conv.name)] = conv
     return out
 

@@ -103,7 +103,7 @@ def _writer_on_this_host(output_dir: str) -> bool:
     root = _root(output_dir)
     if root is None:
         return False
-    return any(not ok and ext.writer_elsewhere_on_host(root.storage, root.path(step)) for step, ok in root.list())
+    return any(not ok and root.dir(step).writer_elsewhere_on_host() for step, ok in root.list())
 
 
 def wait_for_writer(output_dir: str, timeout_s: float = 1800.0) -> bool:
@@ -149,8 +149,7 @@ def _busy(path: str, in_flight) -> bool:
     root = _root(path)
     if root is None:
         return False
-    return any(not ok and (in_flight(root.path(step)) or ext.writer_alive(root.storage, root.path(step)))
-               for step, ok in root.list())
+    return root.writing(in_flight)
 
 
 def rotate(checkpoints_dir: str, total_limit: int, keep: str, in_flight) -> list[str]:
@@ -192,7 +191,7 @@ def _rotate(checkpoints_dir: str, total_limit: int, keep: str, in_flight) -> lis
         try:
             if root is not None:  # every save in it is uncommitted first, so a half-deleted folder never loads
                 for step, _ in root.list():
-                    ext.remove_checkpoint_dir(root.storage, root.path(step))
+                    root.dir(step).remove()
             shutil.rmtree(path)
         except FileNotFoundError:  # removed meanwhile by someone else: gone all the same
             if os.path.exists(path):

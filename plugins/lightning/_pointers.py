@@ -89,7 +89,7 @@ def data_root(storage: ext.StorageBackend, path: str) -> str:
 def version_dir(storage: ext.StorageBackend, path: str, version: int) -> str:
     """``<data root>/step_<version>`` (:func:`data_root` is a checkpoint root,
     :class:`unickpt.ext.CheckpointRoot`)."""
-    return f"{data_root(storage, path)}/{ext.step_name(version)}"
+    return f"{data_root(storage, path)}/{ext.CheckpointRoot.step_name(version)}"
 
 
 def _pointer_file(storage: ext.StorageBackend, path: str) -> str:
