@@ -93,7 +93,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from unickpt.deepspeed.config import UnickptConfig
-    from unickpt.deepspeed.engine import UnickptCheckpointEngine
+    from unickpt.deepspeed.checkpoint_engine import UnickptCheckpointEngine
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from .engine import Engine
     from .format.metadata import CheckpointMetadata
-    from .geometry import ChunkSpec, Piece
+    from .geometry import ChunkSpec, ContiguousBox
     from .loading.stats import LoadStats
     from .options import SaveOptions, TierOptions
     from .plan.mapping import Mapping
@@ -298,7 +298,7 @@ class Codec:
 
 class StateTools:
     """Helpers on the state a plugin saves and loads (``unickpt.state.flat``, ``unickpt.geometry``,
-    ``unickpt.loading.dcp``). Static methods only."""
+    ``unickpt.loading.from_dcp``). Static methods only."""
 
     @staticmethod
     def flatten(state: dict, *, for_load: bool, allow_pickle: bool = False) -> FlatState:
@@ -324,19 +324,19 @@ class StateTools:
         return _get("unickpt.state.flat", "sharded_tensor_shard")(st, fqn)
 
     @staticmethod
-    def chunk_pieces(spec: ChunkSpec, global_shape: Sequence[int]) -> list[Piece]:
+    def chunk_pieces(spec: ChunkSpec, global_shape: Sequence[int]) -> list[ContiguousBox]:
         """The storage-contiguous pieces of a chunk (a box: one; a flat range: at most ``2 * ndim - 1``)."""
         return _get("unickpt.geometry", "chunk_pieces")(spec, global_shape)
 
     @staticmethod
     def is_dcp_checkpoint(storage: StorageBackend, path: str) -> bool:
         """Whether ``path`` is a torch DCP checkpoint (``.metadata``) and not a unickpt one."""
-        return _get("unickpt.loading.dcp", "is_dcp_checkpoint")(storage, path)
+        return _get("unickpt.loading.from_dcp", "is_dcp_checkpoint")(storage, path)
 
     @staticmethod
     def restore_empty_optim_state(value: dict) -> dict:
         """An optimizer state dict with the empty per-parameter states DCP's flattening dropped put back."""
-        return _get("unickpt.loading.dcp", "restore_empty_optim_state")(value)
+        return _get("unickpt.loading.from_dcp", "restore_empty_optim_state")(value)
 
 
 if TYPE_CHECKING:

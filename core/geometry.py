@@ -24,7 +24,7 @@ __all__ = [
     "EvenSplit",
     "SplitIndex",
     "ChunkIndex",
-    "Piece",
+    "ContiguousBox",
     "chunk_pieces",
     "chunk_numel",
     "intersect",
@@ -139,19 +139,19 @@ class SplitIndex:
     def __init__(self, global_shape: Sequence[int], split: EvenSplit):
         self.shape, self.split = tuple(global_shape), split
 
-    def overlapping(self, box: Box) -> list[tuple[int, "Piece", Box]]:
+    def overlapping(self, box: Box) -> list[tuple[int, "ContiguousBox", Box]]:
         d = self.split.dim
         out = []
         for k in self.split.parts_between(self.shape, box.offsets[d], box.offsets[d] + box.lengths[d]):
             part = self.split.part(self.shape, k)
             inter = intersect(box, part) if part is not None else None
             if part is not None and inter is not None:
-                out.append((k, Piece(part, 0), inter))
+                out.append((k, ContiguousBox(part, 0), inter))
         return out
 
 
 @dataclass(frozen=True)
-class Piece:
+class ContiguousBox:
     """A box that is contiguous (row-major) in a chunk's storage, starting at element ``elem_offset``."""
 
     box: Box
@@ -194,7 +194,7 @@ def _flat_boxes(shape: tuple[int, ...], start: int, end: int, dim: int, prefix: 
         yield from _flat_boxes(shape, 0, end % inner, dim + 1, prefix + (last,))
 
 
-def chunk_pieces(spec: ChunkSpec, global_shape: Sequence[int]) -> list[Piece]:
+def chunk_pieces(spec: ChunkSpec, global_shape: Sequence[int]) -> list[ContiguousBox]:
     """Split a chunk into storage-contiguous boxes.
 
     A box chunk is one piece. A flat range of a tensor with ``ndim`` dims gives at most
@@ -203,14 +203,14 @@ def chunk_pieces(spec: ChunkSpec, global_shape: Sequence[int]) -> list[Piece]:
     """
     shape = tuple(global_shape)
     if isinstance(spec, Box):
-        return [Piece(spec, 0)] if spec.numel > 0 else []
+        return [ContiguousBox(spec, 0)] if spec.numel > 0 else []
     if spec.length <= 0:
         return []
     if not shape:
-        return [Piece(Box((), ()), 0)]
+        return [ContiguousBox(Box((), ()), 0)]
     pieces, off = [], 0
     for box in _flat_boxes(shape, spec.start, spec.start + spec.length, 0, ()):
-        pieces.append(Piece(box, off))
+        pieces.append(ContiguousBox(box, off))
         off += box.numel
     return pieces
 
@@ -242,7 +242,7 @@ class ChunkIndex:
             top = max(top, x[1])
             self._reach.append(top)
 
-    def overlapping(self, box: Box) -> list[tuple[int, Piece, Box]]:
+    def overlapping(self, box: Box) -> list[tuple[int, ContiguousBox, Box]]:
         """``(chunk index, piece, intersection)`` for every piece that overlaps ``box`` (a box of the
         global tensor), ordered by chunk index, then position in the chunk."""
         if not self.shape:

@@ -55,7 +55,7 @@ def raise_failures(path: str, failures: list, local_error: BaseException | None)
     raise LoadFailedError(path, {r: f[2] for r, f in failed.items()})
 
 
-def agree(comm: Any, path: str, local_error: BaseException | None, extra: Any = None, tag: str | None = None) -> list:
+def gather_load_outcomes(comm: Any, path: str, local_error: BaseException | None, extra: Any = None, tag: str | None = None) -> list:
     """Gather every rank's outcome (and ``extra``) on ``comm``'s plan group and raise on every rank if
     any failed (:func:`raise_failures`; ``tag``: see :func:`describe`). Returns every rank's ``extra``,
     in group-rank order."""

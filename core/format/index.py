@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import IntegrityError
-from .layout import data_file, index_file
+from .files import data_file, index_file
 
 __all__ = ["INDEX_MAGIC", "HEADER", "RECORD", "IndexRecord", "encode_index", "IndexReader"]
 

@@ -1,6 +1,6 @@
 """``metadata.json``: the checkpoint's index, written last (its presence is the commit).
 
-Format version 1 (docs/format.md; the directory around it: :mod:`unickpt.format.layout`)::
+Format version 1 (docs/format.md; the directory around it: :mod:`unickpt.format.files`)::
 
     {"format": "unickpt", "format_version": 1, "step": 100, "framework": null,
      "run_id": "...", "created_unix_s": 1.7e9,
@@ -48,7 +48,7 @@ from ..geometry import Box, ChunkSpec, EvenSplit, check_exact_cover, spec_from_j
 from .dtypes import str_to_dtype
 from .index import IndexReader
 from .integrity import CHECKSUM_BLOCK_BYTES, MAX_BLOCKS_PER_CHUNK
-from .layout import METADATA_FILE
+from .files import METADATA_FILE
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "VERSIONS", "ChunkMeta", "TensorMeta", "CheckpointMetadata",
            "read_metadata", "spec_order", "split_block_bytes"]

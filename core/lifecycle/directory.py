@@ -2,7 +2,7 @@
 replaced or removed, and how it is removed.
 
 - Committed: ``metadata.json`` is present (written last, atomically: :mod:`unickpt.saving.commit`).
-- Being written: the saving process writes :data:`~unickpt.format.layout.WRITER_FILE` first (host,
+- Being written: the saving process writes :data:`~unickpt.format.files.WRITER_FILE` first (host,
   pid, time); :func:`writer_alive` tells a save in progress (pid alive on this host, or started less
   than :data:`WRITER_STALE_S` ago on another) from the leftovers of a crashed one. A save that fails
   marks its record ``"failed": true`` (:func:`mark_failed`): its directory is a leftover although its
@@ -35,7 +35,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import CheckpointExistsError, UnickptError
-from ..format.layout import METADATA_FILE, SUBDIRS, WRITER_FILE, is_own_entry, is_own_file, is_partial_entry
+from ..format.files import METADATA_FILE, SUBDIRS, WRITER_FILE, is_own_entry, is_own_file, is_partial_entry
 from ..format.metadata import FORMAT_NAME, CheckpointMetadata, read_metadata
 from ..storage.base import StorageBackend
 
@@ -71,7 +71,7 @@ def is_incomplete_checkpoint(storage: Any, path: str) -> bool:
 
 
 def writer_record() -> bytes:
-    """The contents of :data:`~unickpt.format.layout.WRITER_FILE` for this process."""
+    """The contents of :data:`~unickpt.format.files.WRITER_FILE` for this process."""
     return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
 
 
@@ -309,7 +309,7 @@ class CheckpointDir:
 
     @property
     def writer_path(self) -> str:
-        """The full path of the writer record (:data:`~unickpt.format.layout.WRITER_FILE`)."""
+        """The full path of the writer record (:data:`~unickpt.format.files.WRITER_FILE`)."""
         return self.storage.join(self.path, WRITER_FILE)
 
     # -- a save --------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import StorageError, UnickptError
-from ..format.layout import METADATA_FILE
+from ..format.files import METADATA_FILE
 from ..storage import open_storage
 from ..storage.base import StorageBackend
 from .directory import CheckpointDir, check_removable, is_committed, leftover_reason, remove_dir

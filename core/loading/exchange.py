@@ -130,7 +130,7 @@ def read_and_exchange(comm: Comm, storage: Any, path: str, table: ChunkTable, ne
                     filled[fqn] = filled.get(fqn, 0) + n
             stats.copy_s += time.perf_counter() - t_copy
     if comm.world_size > 1 or error is not None:
-        failures.agree(comm, path, error)
+        failures.gather_load_outcomes(comm, path, error)
     return filled
 
 

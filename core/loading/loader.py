@@ -13,7 +13,7 @@ planned grows with the distinct needs, not ranks x tensors; run the reads and th
 round by round (:mod:`.exchange`; point-to-point, then **1 collective** for the outcome); finally
 replace plain values, restore per-rank state and call ``load_state_dict``.
 
-A ``torch.distributed.checkpoint`` directory is migrated instead (:mod:`.dcp`, opt-in: pickles).
+A ``torch.distributed.checkpoint`` directory is migrated instead (:mod:`.from_dcp`, opt-in: pickles).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from ..state.flat import FlatState, flatten, saved_leaves, undone_on_error
 from ..storage import open_storage
 from ..storage.base import StorageBackend
 from ..plan.mapping import Mapping
-from . import dcp
+from . import from_dcp
 from ..interop.locate import locate_checkpoint
 from ..interop.view import as_mapping, build_view
 from .checks import (check_keys, check_memory, check_param_groups, check_target, drop_states_the_checkpoint_lacks,
@@ -114,8 +114,8 @@ class Loader:
                 mapping = as_mapping(request.mapping)
             except TypeError as e:  # raised in the collective part below, with the options' errors
                 mapping, bad_call = None, e
-            if mapping is None and bad_call is None and dcp.is_dcp_checkpoint(storage, request.path):  # migration
-                return dcp.load_dcp_checkpoint(self.comm, storage, request.path, state, strict=request.strict,
+            if mapping is None and bad_call is None and from_dcp.is_dcp_checkpoint(storage, request.path):  # migration
+                return from_dcp.load_dcp_checkpoint(self.comm, storage, request.path, state, strict=request.strict,
                                                allow_pickle=request.allow_pickle)
             opts, bad_call = _checked_options(request, bad_call)
             needs: _Needs | None = None
@@ -165,7 +165,7 @@ class Loader:
         every rank); decides whether to redistribute (``stats.redistributed``). Raises ValueError when
         the ranks asked for different ``redistribute`` settings."""
         signature = None if needs is None else needs.signature
-        gathered = failures.agree(self.comm, path, error, (signature, socket.gethostname(), opts.redistribute), tag)
+        gathered = failures.gather_load_outcomes(self.comm, path, error, (signature, socket.gethostname(), opts.redistribute), tag)
         asked = {g[2] for g in gathered}
         if len(asked) > 1:  # the read plan is collective: every rank must take part in it, or none
             raise ValueError(f"{path!r}: ranks asked for different redistribute settings "

@@ -14,7 +14,7 @@ import torch
 
 from ..format.index import IndexReader
 from ..format.metadata import split_chunk
-from ..geometry import Box, EvenSplit, FlatRange, Piece, chunk_pieces, intersect
+from ..geometry import Box, EvenSplit, FlatRange, ContiguousBox, chunk_pieces, intersect
 from ..plan.needs import ChunkTable, Ranges, chunk_overlaps, chunk_ranges, merge_byte_ranges
 from ..state.flat import TensorLeaf
 from ..storage.base import StorageBackend
@@ -27,7 +27,7 @@ class Overlap:
     """Elements ``inter`` (a global box) of a stored piece, to be copied into ``target`` (a view of the
     caller's tensor whose global box is ``tbox``)."""
 
-    piece: Piece
+    piece: ContiguousBox
     inter: Box
     tbox: Box
     target: torch.Tensor

@@ -15,7 +15,7 @@ import torch
 
 from ..format.dtypes import str_to_dtype
 from ..format.metadata import CheckpointMetadata, ChunkMeta, split_block_bytes
-from ..geometry import Box, ChunkIndex, EvenSplit, FlatRange, Piece, SplitIndex, byte_runs, chunk_pieces, intersect
+from ..geometry import Box, ChunkIndex, EvenSplit, FlatRange, ContiguousBox, SplitIndex, byte_runs, chunk_pieces, intersect
 
 __all__ = ["ChunkTable", "RankNeeds", "Ranges", "split_needs", "chunk_overlaps", "chunk_ranges", "spec_needs",
            "piece_runs", "merge_byte_ranges", "widen_to_blocks"]
@@ -146,7 +146,7 @@ def split_needs(table: ChunkTable, fqn: str, cid: int, split: EvenSplit, verify:
     return out
 
 
-def chunk_overlaps(table: ChunkTable, source: str, boxes: list[Box]) -> dict[int, list[tuple[int, Piece, Box]]]:
+def chunk_overlaps(table: ChunkTable, source: str, boxes: list[Box]) -> dict[int, list[tuple[int, ContiguousBox, Box]]]:
     """Chunk id -> ``(target index, stored piece, intersection)`` of every stored piece of ``source``
     that the target ``boxes`` overlap, in storage order (piece offset, then target)."""
     by_chunk: dict[int, list] = {}
@@ -158,7 +158,7 @@ def chunk_overlaps(table: ChunkTable, source: str, boxes: list[Box]) -> dict[int
             for cid, found in by_chunk.items()}
 
 
-def chunk_ranges(table: ChunkTable, source: str, cid: int, found: list[tuple[int, Piece, Box]], split: EvenSplit | None,
+def chunk_ranges(table: ChunkTable, source: str, cid: int, found: list[tuple[int, ContiguousBox, Box]], split: EvenSplit | None,
                  rank: int, verify: bool) -> list[tuple[int, int]]:
     """The merged byte ranges of chunk ``cid`` (of ``source``) holding ``found`` (its
     :func:`chunk_overlaps` entries), widened to checksum blocks with ``verify``; ``split``: the rule
@@ -183,7 +183,7 @@ def spec_needs(table: ChunkTable, source: str, spec: Box | FlatRange | None, ran
     return {cid: chunk_ranges(table, source, cid, found[cid], split, rank, verify) for cid in sorted(found)}, split
 
 
-def piece_runs(found: list[tuple[Piece, Box]], isz: int) -> list[tuple[int, int]]:
+def piece_runs(found: list[tuple[ContiguousBox, Box]], isz: int) -> list[tuple[int, int]]:
     """Chunk-relative byte runs ``(start, length)`` holding the intersections ``found``
     (``(piece, intersection)`` pairs of one chunk), unmerged."""
     return [(p.elem_offset * isz + s, n) for p, inter in found for s, n in byte_runs(p.box, inter, isz)]

@@ -35,7 +35,7 @@ from .._util import gc_paused
 from ..dist.p2p import TAG_BITS
 from ..errors import StateMismatchError
 from ..format.dtypes import dtype_to_str, str_to_dtype
-from ..format.layout import data_file
+from ..format.files import data_file
 from ..geometry import Box, ChunkSpec, EvenSplit, FlatRange, check_exact_cover
 from ..state.flat import FlatState
 from .balance import LeastLoaded
@@ -56,10 +56,6 @@ choice then stays within about 1/4 of the mean above it, and a save has at most 
 than unique boxes (each costs a metadata entry, with up to 64 block checksums). Chosen on the 405B
 simulations of benchmarks/plan_sim.py at 10,000 ranks: 2 leaves TP x PP x DP at 1.5 x the mean bytes
 per rank, 8 adds 15-70% more metadata than 4 for no better balance (docs/scale.md)."""
-
-
-def _spec_key(spec: ChunkSpec) -> tuple:
-    return (0, spec.offsets, spec.lengths) if isinstance(spec, Box) else (1, (spec.start,), (spec.length,))
 
 
 def _split_replica(spec: ChunkSpec, nbytes: int, holders: int) -> list[tuple[int, ChunkSpec]]:
@@ -444,7 +440,7 @@ class WriteChunk:
     slot: int = -1
 
 
-class PerRank(Sequence):
+class LazyRankLists(Sequence):
     """``plan.writes[r]`` / ``plan.segments[r]``: computed for a rank when first asked for (a rank
     executes only its own; the commit needs no other rank's), so that a plan of ranks x split tensors
     parts costs O(tensors) to make, not O(ranks x tensors)."""
@@ -466,7 +462,7 @@ class SavePlan:
     """Everything every rank executes for one layout (cached by the engine).
 
     ``writes[r]``: rank ``r``'s chunks in file order; ``segments[r]``: its data files
-    ``(relative path, bytes)`` (both computed per rank on first use, :class:`PerRank`);
+    ``(relative path, bytes)`` (both computed per rank on first use, :class:`LazyRankLists`);
     ``sends[r]``: merge transfers it sends; ``bytes_per_rank[r]``: bytes it writes;
     ``splits``: ``fqn -> (EvenSplit, slot)`` of the split tensors (format v2: rank ``k`` writes part
     ``k`` and its index record at ``slot``); ``explicit[r]``: ``(fqn, spec, nbytes)`` of rank ``r``'s
@@ -514,7 +510,7 @@ def make_save_plan(plans: list[LocalPlan], *, flat_ranges: str = "store", segmen
             :mod:`unickpt.tiers`): shards must not overlap but need not cover their global tensors.
 
     Cost: O(tensors + explicit chunks + world); a rank's files and offsets cost O(its chunks) when
-    first asked for (:class:`PerRank`), except that the receivers of merge transfers are laid out at
+    first asked for (:class:`LazyRankLists`), except that the receivers of merge transfers are laid out at
     once (their transfers are numbered in one global order).
 
     Raises what :func:`make_global_plan` raises, and ValueError for an unknown ``flat_ranges``.
@@ -652,6 +648,6 @@ def _make_save_plan(plans: list[LocalPlan], flat_ranges: str, segment_bytes: int
     per_rank_fqns = tuple(sorted({f for fqns in {id(p.per_rank_fqns): p.per_rank_fqns for p in plans}.values()
                                   for f in fqns}))
     del by_rank, guarded_sets
-    return SavePlan(gp.tensors, gp.aliases, PerRank(world, writes_of), PerRank(world, lambda r: layout(r)[1]), sends,
+    return SavePlan(gp.tensors, gp.aliases, LazyRankLists(world, writes_of), LazyRankLists(world, lambda r: layout(r)[1]), sends,
                     bytes_per_rank, per_rank_fqns, merged_tensors, index, transfers_bytes, tuple(gp.replicas), splits,
-                    PerRank(world, explicit_of))
+                    LazyRankLists(world, explicit_of))

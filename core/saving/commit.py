@@ -39,7 +39,7 @@ from ..dist.failures import lost_contact
 from ..errors import SaveFailedError
 from ..format.index import IndexRecord, encode_index
 from ..format.integrity import CHECKSUM_BLOCK_BYTES, MAX_BLOCKS_PER_CHUNK
-from ..format.layout import INDEX_DIR, METADATA_FILE, data_file, index_file, objects_file
+from ..format.files import INDEX_DIR, METADATA_FILE, data_file, index_file, objects_file
 from ..format.metadata import CheckpointMetadata, ChunkMeta, TensorMeta, spec_order
 from ..lifecycle.directory import CheckpointDir
 from ..storage import open_storage

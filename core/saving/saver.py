@@ -8,7 +8,7 @@ Save sequence (every rank of the group), by thread:
    returns at once (optimizer steps wait for the snapshot instead).
 2. save thread, **plan**: group rank 0 checks the target directory
    (:func:`~unickpt.lifecycle.directory.prepare_target`: refuses a committed, in-flight or foreign
-   one, clears an incomplete one); then the ranks agree on the plan (:mod:`.agree`: **1 collective**
+   one, clears an incomplete one); then the ranks agree on the plan (:mod:`.plan_agreement`: **1 collective**
    on a plan-cache hit, **3** on a miss, **2 more** on a miss when chunks are replicated: the replica
    check of :mod:`.replicas`).
 3. save thread, **stage** (:mod:`.pipeline`): a free staging ring, then this rank's chunks into it,
@@ -44,7 +44,7 @@ from ..options import SaveOptions, check_options
 from ..requests import SaveRequest
 from ..storage import open_storage
 from . import snapshot as snapshot_mod
-from .agree import PlanAgreement
+from .plan_agreement import PlanAgreement
 from .commit import Committer
 from .pipeline import SavePipeline
 from .replicas import check_replicas

@@ -13,7 +13,7 @@ What runs where (every rank of the checkpointer's group):
   that every rank has *finished* (committed in its tier 0), and the job's *watermark*, the newest step
   that every rank has committed and, with tier 1, whose copy its holder has received; pipelined:
   posted at one step and read at the next, so that the caller never waits for it (both are lower
-  bounds, a step old). Then retention (:func:`~unickpt.tiers.layout.retain_steps`,
+  bounds, a step old). Then retention (:func:`~unickpt.tiers.node_dirs.retain_steps`,
   :meth:`Tiers._retain`): each rank keeps its newest ``memory_keep`` copies per tier, every copy newer
   than the finished step (one of them may become the job's last common step when the slowest rank
   finishes it) and the newest at or below the finished step and the watermark, so that a rank ahead
@@ -43,7 +43,7 @@ from ..options import LoadOptions, SaveOptions, TierOptions
 from ..requests import LoadRequest, SaveRequest
 from ..saving.saver import Saver
 from .agreement import Agreement, StepAgreement
-from .layout import SPARE_DIR, MemoryLayout, copy_dir, dir_bytes, recycle_into, remove_tree, retain_steps
+from .node_dirs import SPARE_DIR, MemoryLayout, copy_dir, dir_bytes, recycle_into, remove_tree, retain_steps
 from .peer import PeerCopier
 from .placement import Placement
 from .recovery import Recovery, RecoveryResult
@@ -161,7 +161,7 @@ class Tiers:
         return self.saver.in_flight(path) or (self.peer is not None and self.peer.sending == path)
 
     def _retain(self, agreement: Agreement | None, own_only: bool = False) -> None:
-        """Retention (:func:`~unickpt.tiers.layout.retain_steps`) of this rank's copies and, unless
+        """Retention (:func:`~unickpt.tiers.node_dirs.retain_steps`) of this rank's copies and, unless
         ``own_only``, of those it holds for its senders (caller's thread, or the commit thread), with
         ``agreement``'s watermarks (None: before the first; no step is known finished).
 

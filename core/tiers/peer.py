@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from .layout import SENDING_DIR, MemoryLayout, copy_files, remove_tree
+from .node_dirs import SENDING_DIR, MemoryLayout, copy_files, remove_tree
 
 __all__ = ["PeerCopier", "map_file", "reserve_file", "COPIED", "SKIPPED", "FAILED"]
 

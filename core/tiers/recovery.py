@@ -40,7 +40,7 @@ import torch
 
 from ..errors import IntegrityError, StateMismatchError, UnsafeObjectError
 from ..loading.stats import LoadStats
-from .layout import MemoryLayout, remove_tree
+from .node_dirs import MemoryLayout, remove_tree
 from .peer import map_file, reserve_file
 from .placement import Placement
 
@@ -69,7 +69,7 @@ class Source:
 
 def plan_sources(inventories: dict[str, dict], placement: Placement) -> dict[int, dict[int, list[Source]]]:
     """``{step: {rank: [sources, nearest first]}}`` from each node's inventory
-    (:meth:`~unickpt.tiers.layout.MemoryLayout.inventory`, JSON keys as strings). Deterministic."""
+    (:meth:`~unickpt.tiers.node_dirs.MemoryLayout.inventory`, JSON keys as strings). Deterministic."""
     table: dict[int, dict[int, list[Source]]] = {}
     for node in placement.order:
         inv = inventories.get(node) or {}

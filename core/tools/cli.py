@@ -111,7 +111,7 @@ def _memory_tiers(root: str, memory_dir: str | None) -> tuple[str | None, dict[i
     """This node's memory-tier copies of the run whose persistent root is ``root`` (docs/tiers.md):
     ``(run directory or None, {step: {"memory": {world: [ranks]}, "peer": {world: [ranks]}}})``."""
     from ..options import DEFAULT_MEMORY_DIR, env
-    from ..tiers.layout import RANK_DIR, MemoryLayout
+    from ..tiers.node_dirs import RANK_DIR, MemoryLayout
 
     layout = MemoryLayout(memory_dir or env().memory_dir or DEFAULT_MEMORY_DIR, root)
     run = layout.run_dir

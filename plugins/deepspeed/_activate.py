@@ -3,7 +3,7 @@
 DeepSpeed has no registry for third-party checkpoint engines: ``DeepSpeedEngine._configure_checkpointing``
 calls ``create_checkpoint_engine``, a name imported into ``deepspeed.runtime.engine`` (deepspeed 0.19.8,
 ``runtime/engine.py:118`` and ``:1902``). :func:`install` replaces that name with a wrapper that returns a
-:class:`~unickpt.deepspeed.engine.UnickptCheckpointEngine` when the engine's config has
+:class:`~unickpt.deepspeed.checkpoint_engine.UnickptCheckpointEngine` when the engine's config has
 ``"unickpt": {"enabled": true, ...}`` and otherwise calls DeepSpeed's own factory unchanged. It also wraps
 ``DeepSpeedEngine.save_checkpoint`` / ``load_checkpoint``: engines whose checkpoint engine is unickpt's
 take unickpt's path (:mod:`unickpt.deepspeed.checkpoint`), every other engine runs DeepSpeed's original
@@ -67,7 +67,7 @@ def install() -> None:
 
             cfg = UnickptConfig.from_block(block)
             if cfg.enabled:
-                from .engine import UnickptCheckpointEngine
+                from .checkpoint_engine import UnickptCheckpointEngine
 
                 return UnickptCheckpointEngine(config_params, cfg, has_moe_layers=has_moe_layers)
         return original_factory(config_params, groups, zero_stage, has_moe_layers, optimize_dp_state)
@@ -105,7 +105,7 @@ def _unickpt_block(config_params: Any) -> Any:
 def _with_tiers(original: Any) -> Any:
     """``DeepSpeedEngine.step``, then, after an optimizer step (``global_steps`` moved) of an engine
     whose ``"unickpt"`` block has ``memory_every`` / ``persist_every``, the tier schedule
-    (:meth:`~unickpt.deepspeed.engine.UnickptCheckpointEngine.on_step`)."""
+    (:meth:`~unickpt.deepspeed.checkpoint_engine.UnickptCheckpointEngine.on_step`)."""
     if getattr(original, _MARK, False):
         return original
 

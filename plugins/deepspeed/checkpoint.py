@@ -1,7 +1,7 @@
 """``engine.save_checkpoint`` / ``engine.load_checkpoint`` for DeepSpeed engines that use unickpt.
 
 :mod:`unickpt.deepspeed._activate` routes the two ``DeepSpeedEngine`` methods here when the engine's
-checkpoint engine is :class:`~unickpt.deepspeed.engine.UnickptCheckpointEngine`. Same signatures, same
+checkpoint engine is :class:`~unickpt.deepspeed.checkpoint_engine.UnickptCheckpointEngine`. Same signatures, same
 directory contract as DeepSpeed: ``save_dir/<tag>/`` is the checkpoint (a unickpt checkpoint:
 ``metadata.json``, ``data/``, ...), ``save_dir/latest`` names the newest tag, written only after that
 checkpoint committed. The saved state (fqn prefixes)::
@@ -36,7 +36,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from unickpt import Shard, StateMismatchError, UnsafeObjectError, ext
 
-from .engine import finish_all_pending, wait_for_tag
+from .checkpoint_engine import finish_all_pending, wait_for_tag
 from .tools import LATEST_UNIVERSAL, copy_recovery_script, model_record
 from .zero_state import ZeroLayout, check_wrapper_state, restore_wrapper_state, wrapper_state, zero_layout
 

@@ -91,12 +91,12 @@ def is_unickpt_checkpoint(path: Any) -> bool:
 def _wait_for_saves(save_dir: Any) -> None:
     """Wait for this process's asynchronous ``save_checkpoint`` calls into ``save_dir`` (their commit and
     ``latest``). A failed save is not raised here: it stays pending for the engine's next step boundary,
-    as in :func:`unickpt.deepspeed.engine.wait_for_tag`, and the tool reads what is committed."""
+    as in :func:`unickpt.deepspeed.checkpoint_engine.wait_for_tag`, and the tool reads what is committed."""
     import sys
 
-    if "unickpt.deepspeed.engine" not in sys.modules:  # no unickpt engine in this process
+    if "unickpt.deepspeed.checkpoint_engine" not in sys.modules:  # no unickpt engine in this process
         return
-    from .engine import _LIVE, wait_for_tag
+    from .checkpoint_engine import _LIVE, wait_for_tag
 
     want = os.path.abspath(os.fspath(save_dir))
     for engine in list(_LIVE):

@@ -31,7 +31,7 @@ from torch import nn
 
 from unickpt import Shard, ext
 
-from .flat import FlatUnit, ParamSlice, fsdp1_units, is_fsdp1, module_buffers, unmanaged_params
+from .flat_param import FlatUnit, ParamSlice, fsdp1_units, is_fsdp1, module_buffers, unmanaged_params
 
 __all__ = ["model_state", "optimizer_state", "state", "FlatModelState", "FlatOptimizerState", "StateDictModelState",
            "StateDictOptimizerState", "StridedModelState", "StridedOptimizerState", "MODES"]

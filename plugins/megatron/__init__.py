@@ -17,7 +17,7 @@ Megatron-LM training scripts switch to it with a launch flag, no code change::
 ``CheckpointingException`` (see :mod:`unickpt.megatron.errors`).
 """
 from .errors import MegatronStateMismatchError, checkpointing_error
-from .mapping import OBJECT_PREFIX, global_flat_range, is_main_replica
+from .sharded_state import OBJECT_PREFIX, global_flat_range, is_main_replica
 from .strategy import (BACKEND, OBJECT_POLICIES, SUBDIR, VERSION, UnickptLoadShardedStrategy,
                        UnickptSaveShardedStrategy, register, unickpt_dir)
 

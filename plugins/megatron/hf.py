@@ -41,7 +41,7 @@ from megatron.core.dist_checkpointing.core import CONFIG_FNAME  # megatron-core'
 from unickpt import Fuse, Permute, Rename, Split, StateMismatchError, UnickptError, ext, interop
 
 from .layout import SUBDIR, stored_key
-from .mapping import OBJECT_PREFIX, KeyInfo, encode_object
+from .sharded_state import OBJECT_PREFIX, KeyInfo, encode_object
 
 __all__ = ["llama_rules", "qkv_order", "TO_HF_LLAMA", "TO_MEGATRON", "CONVERSIONS", "LINEAR_MODULES"]
 

@@ -1,7 +1,7 @@
 """How megatron-core checkpoints saved through unickpt name their tensors, as parameter names
 (docs/cross-framework.md; registered as the ``megatron`` layout, entry-point group ``unickpt.layouts``).
 
-:mod:`unickpt.megatron.mapping` stores a ShardedTensor key with prepended (stacked-layer) axes as
+:mod:`unickpt.megatron.sharded_state` stores a ShardedTensor key with prepended (stacked-layer) axes as
 ``KEY[i]`` and a key some rank held in ``k`` pieces along one axis (SwiGLU's ``linear_fc1``) as ``k``
 slabs ``KEY[i]#s/k``. As parameter names:
 
@@ -20,7 +20,7 @@ import re
 
 from unickpt import CheckpointMetadata, Fuse, interop
 
-from .mapping import OBJECT_PREFIX
+from .sharded_state import OBJECT_PREFIX
 
 __all__ = ["MegatronLayout", "LAYOUT", "SUBDIR", "param_name", "stored_key"]
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from unickpt import IntegrityError, SaveFailedError, StateMismatchError, ext
 
 from .errors import as_checkpointing_errors
-from .mapping import (OBJECT_PREFIX, KeyInfo, agree_layout, build_save_state, decode_object, prepare_save,
+from .sharded_state import (OBJECT_PREFIX, KeyInfo, agree_layout, build_save_state, decode_object, prepare_save,
                       stored_object_sizes, to_load_targets)
 
 __all__ = ["BACKEND", "VERSION", "SUBDIR", "UnickptSaveShardedStrategy", "UnickptLoadShardedStrategy", "register",

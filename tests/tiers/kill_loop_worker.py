@@ -48,7 +48,7 @@ import unickpt.lifecycle.root  # noqa: F401
 import unickpt.tiers.manager  # noqa: F401
 from unickpt.options import TierOptions
 from unickpt.testing.dist import _free_port
-from unickpt.tiers.layout import MemoryLayout
+from unickpt.tiers.node_dirs import MemoryLayout
 
 WORLD, PER_NODE = 4, 2
 WIDTH = 20  # bytes of a side file: a right-aligned number

@@ -35,7 +35,7 @@ import time
 import pytest
 import torch
 
-from unickpt.tiers.layout import SPARE_DIR
+from unickpt.tiers.node_dirs import SPARE_DIR
 from unickpt.tiers.manager import MAX_SPARES, MAX_UNSETTLED
 
 HERE = os.path.dirname(os.path.abspath(__file__))

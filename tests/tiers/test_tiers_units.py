@@ -17,7 +17,7 @@ import torch
 import unickpt
 from unickpt.errors import IntegrityError
 from unickpt.options import SaveOptions, TierOptions
-from unickpt.tiers.layout import MemoryLayout, recycle_into, retain_steps, run_key
+from unickpt.tiers.node_dirs import MemoryLayout, recycle_into, retain_steps, run_key
 from unickpt.tiers.placement import Placement
 from unickpt.tiers.recovery import Source, candidates, plan_sources
 from unickpt.tiers.signals import PreemptionNotice

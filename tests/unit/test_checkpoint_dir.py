@@ -195,4 +195,4 @@ def test_only_the_format_and_the_owner_name_the_commit_marker():
                     found += [f"{os.path.relpath(p, ROOT)}:{line}" for line in _marker_literals(p)]
     assert found == []
     # and the check sees one
-    assert _marker_literals(os.path.join(ROOT, "core", "format", "layout.py"))
+    assert _marker_literals(os.path.join(ROOT, "core", "format", "files.py"))

@@ -148,7 +148,7 @@ def check_client(client: dict) -> None:
 
 
 def phase_save(out: str, names: list[str]) -> None:
-    from unickpt.deepspeed.engine import UnickptCheckpointEngine
+    from unickpt.deepspeed.checkpoint_engine import UnickptCheckpointEngine
 
     rank = dist.get_rank()
     for name in names:

@@ -219,7 +219,7 @@ class _Records(logging.Handler):
 
 def phase_tags(out: str) -> None:
     """DeepSpeed's ``test_checkpoint_unique_tag``: ``tag=f"tag-{rank}"`` under each tag_validation mode."""
-    from unickpt.deepspeed.engine import UnickptCheckpointEngine
+    from unickpt.deepspeed.checkpoint_engine import UnickptCheckpointEngine
 
     rank = dist.get_rank()
     records = _Records()

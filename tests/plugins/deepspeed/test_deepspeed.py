@@ -218,7 +218,7 @@ def test_decoupled_contract_raises_failed_async_save_at_step_boundary():
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
     from unickpt.deepspeed.config import UnickptConfig
-    from unickpt.deepspeed.engine import UnickptCheckpointEngine
+    from unickpt.deepspeed.checkpoint_engine import UnickptCheckpointEngine
     from unickpt.errors import SaveFailedError
 
     eng = UnickptCheckpointEngine(None, UnickptConfig(enabled=True, async_save=True))

@@ -198,7 +198,7 @@ def test_uneven_multiple_shards_per_rank(mpool, tmp_path, src, dest):
 def test_slab_rule():
     """Equal slabs only where every rank holding several pieces has each in a slab of its own; else cuts
     after each piece but the last of every such rank."""
-    from unickpt.megatron.mapping import KeyInfo, _slabs
+    from unickpt.megatron.sharded_state import KeyInfo, _slabs
 
     assert _slabs(256, [[(0, 64), (128, 64)], [(64, 64), (192, 64)]]) == (2, None)  # SwiGLU at TP 2
     assert _slabs(26, [[(4, 7), (11, 8)], [(20, 3), (23, 3)]]) == (3, (11, 23))  # unequal sizes
@@ -327,7 +327,7 @@ class Opaque:
 def test_pickle_only_object_is_refused_by_name():
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from unickpt.megatron.mapping import prepare_save
+    from unickpt.megatron.sharded_state import prepare_save
 
     prep = prepare_save({"o": ShardedObject("dataloader", Opaque(), (2,), (1,), replica_id=0)})
     assert len(prep.errors) == 1

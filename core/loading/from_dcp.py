@@ -175,7 +175,7 @@ def load_dcp_checkpoint(comm: Any, storage: Any, path: str, state: dict, *, stri
                 raise IntegrityError(f"{fqn!r}: the DCP chunks cover {filled} of the {leaf.spec.numel} elements this rank needs")
     except Exception as e:  # every rank must still join the gather
         local_error = e
-    failures.agree(comm, path, local_error)
+    failures.gather_load_outcomes(comm, path, local_error)
     assert flat is not None
     for container, key, val in objects.values():
         if not isinstance(container, tuple):
