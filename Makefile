@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test typecheck bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -23,7 +23,14 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VPY) examples/run_demo.py
 	OMP_NUM_THREADS=1 $(VPY) examples/tiers_demo.py
 
-test: $(STAMP)
+# mypy over core/ and plugins/ (configured in pyproject.toml), through a tree of symlinks laid out as
+# the installed package `unickpt` (mypy cannot follow setuptools' editable import hook)
+typecheck: $(STAMP)
+	rm -rf build/mypy && mkdir -p build/mypy/unickpt
+	ln -s "$(CURDIR)"/core/* "$(CURDIR)"/plugins/* build/mypy/unickpt/
+	$(VPY) -m mypy
+
+test: typecheck
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q tests
 
 bench: $(STAMP)

@@ -53,26 +53,6 @@ def _config(stage: int, *, unickpt: bool, universal: bool) -> dict:
     return cfg
 
 
-def _gather(engine) -> dict:
-    import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    opt = engine.optimizer
-    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
-        opt._lazy_init_hp_params_optimizer_state()
-    out = {}
-    for name, p in engine.module.named_parameters():
-        if engine.zero_optimization_stage() == 3:
-            with deepspeed.zero.GatheredParameters([p]):
-                out[f"lp.{name}"] = p.data.clone()
-        else:
-            out[f"lp.{name}"] = p.data.clone()
-        out[f"fp32.{name}"] = safe_get_full_fp32_param(p).clone()
-        for key in ("exp_avg", "exp_avg_sq"):
-            out[f"{key}.{name}"] = safe_get_full_optimizer_state(p, key).clone()
-    return out
-
-
 def _compare(got: dict, want: dict) -> dict:
     import torch
 
@@ -94,6 +74,9 @@ def worker(args) -> None:
 
     from unickpt.deepspeed.config import UnickptConfig
     from unickpt.deepspeed.checkpoint_engine import UnickptCheckpointEngine
+
+    sys.path.append(os.path.join(ROOT, "tests", "plugins", "deepspeed"))  # the tests' helper, shared
+    from ds_gather import gather_params  # the full state by DeepSpeed's safe_get_full_* APIs
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
@@ -124,7 +107,7 @@ def worker(args) -> None:
             lambda: engine.save_checkpoint(os.path.join(args.work, "unickpt_async"), tag="t"))
         res["unickpt_async_stall_s_rank0"] = engine.checkpoint_engine.last_save.stats.stall_s
         _, res["unickpt_async_until_committed_s"] = timed(engine.checkpoint_engine.finish_pending)
-        ref = _gather(engine)
+        ref = gather_params(engine)
         if rank == 0:
             torch.save(ref, os.path.join(args.work, "ref.pt"))
             res["params"] = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
@@ -136,7 +119,7 @@ def worker(args) -> None:
             model = _model(args.width, args.layers)
             engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
             _, res[f"{which}_load_s"] = timed(lambda: engine.load_checkpoint(os.path.join(args.work, load_dir)))
-            res[f"{which}_vs_saved"] = _compare(_gather(engine), ref)
+            res[f"{which}_vs_saved"] = _compare(gather_params(engine), ref)
             if which == "unickpt":
                 st = engine.checkpoint_engine.last_load_stats
                 res["unickpt_load_stats_rank0"] = {k: getattr(st, k) for k in ("plan_s", "read_s", "copy_s", "total_s",

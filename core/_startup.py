@@ -110,7 +110,7 @@ class _PostImportFinder:
             busy.discard(fullname)
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = _HookedLoader(spec.loader, fullname)
+        spec.loader = _HookedLoader(spec.loader, fullname)  # type: ignore[assignment]  # a duck-typed Loader (see above)
         return spec
 
 

@@ -3,9 +3,19 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-__all__ = ["gc_paused"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["gc_paused", "host_bytes"]
+
+
+def host_bytes(tensor: "torch.Tensor") -> memoryview:
+    """The memory of a CPU ``tensor`` (contiguous) as a writable, byte-typed (``"B"``) memoryview, no copy.
+    Raises TypeError for a tensor not on the CPU (``Tensor.numpy``)."""
+    array = tensor.numpy()
+    return memoryview(array).cast("B")  # type: ignore[arg-type]  # numpy's stubs lack __buffer__
 
 
 @contextlib.contextmanager

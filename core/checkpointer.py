@@ -103,7 +103,7 @@ class Checkpointer:
         self.framework = framework
         self._root = CheckpointRoot(self.root, storage_options)
         self.local_root = None if local_root is None else os.fspath(local_root)
-        self._local = None if local_root is None else CheckpointRoot(self.local_root)
+        self._local = None if self.local_root is None else CheckpointRoot(self.local_root)
         self._engine = get_engine(process_group)
         self._closed = False
         self.preempted = False  # a preemption notice made this run save persistently: stop training
@@ -167,6 +167,7 @@ class Checkpointer:
     def _preempt(self, step: int, state: dict, agreement: Any) -> SaveHandle | None:
         """Every rank at the same step: a synchronous persistent save of ``step`` (unless committed)."""
         tiers = self._tiers
+        assert tiers is not None, "called only with the checkpoint tiers on"
         notice = tiers.notice
         t0 = time.time()
         if self._engine.rank == 0:
@@ -191,7 +192,7 @@ class Checkpointer:
             raise earlier
         return handle
 
-    def _persist(self, step: int, state: dict, async_save: bool | None) -> SaveHandle:
+    def _persist(self, step: int, state: dict, async_save: bool | None) -> SaveHandle | None:
         """A persistent save of ``step`` (the path of a checkpointer without tiers)."""
         on_commit = lambda s=int(step): self._after_commit(s)  # noqa: E731
         mode = self.async_save if async_save is None else async_save
@@ -219,7 +220,7 @@ class Checkpointer:
                           "on_error='warn': training goes on", RuntimeWarning, stacklevel=3)
             return None
 
-    def _failed(self, error: BaseException) -> bool:
+    def _failed(self, error: EarlierSaveFailedError) -> bool:
         """The engine found one of this checkpointer's saves failed (caller's thread, at a later
         ``save`` / ``wait``): count it; with ``on_error="warn"`` warn and report it handled."""
         self.failed_saves += 1
@@ -278,9 +279,10 @@ class Checkpointer:
             if step is None:
                 return None
         path, options = self.path_for(step), self.storage_options
-        if self._local is not None:  # prefer the local copy when group rank 0 sees it committed
-            local = self._local.path(int(step))
-            if _from_rank0(self._engine, lambda: self._local.dir(int(step)).is_committed(), local):
+        local_root = self._local
+        if local_root is not None:  # prefer the local copy when group rank 0 sees it committed
+            local = local_root.path(int(step))
+            if _from_rank0(self._engine, lambda: local_root.dir(int(step)).is_committed(), local):
                 path, options = local, None
         stats = self._engine.load(LoadRequest.of(path, strict=strict, storage_options=options, allow_pickle=ap,
                                                  options=self.load_options), state)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
-from .dist.comm import Comm
+from .dist.comm import Comm, ThisProcess
 from .loading.loader import Loader
 from .loading.stats import LoadStats
 from .options import SaveOptions, env
@@ -23,6 +23,11 @@ from .requests import LoadRequest, SaveRequest
 from .saving.request import SaveHandle, SaveStats
 from .saving.saver import Saver
 from .teardown import install as install_teardown_guard
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+Group = Union["ProcessGroup", ThisProcess, None]  # a process group; THIS_PROCESS; None: the default group
 
 __all__ = ["Engine", "SaveHandle", "SaveStats", "get_engine", "engines", "default_engine", "finish_saves"]
 
@@ -39,7 +44,7 @@ class Engine:
         options: the default save options (:meth:`configure`).
     """
 
-    def __init__(self, process_group: Any = None, timeout_s: float | None = None, options: SaveOptions | None = None):
+    def __init__(self, process_group: Group = None, timeout_s: float | None = None, options: SaveOptions | None = None):
         timeout_s = env().collective_timeout_s if timeout_s is None else timeout_s
         self.comm = Comm(process_group, timeout_s)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
@@ -115,7 +120,7 @@ class Engine:
             self.loader.plans.clear()
 
 
-_ENGINES: dict[Any, Engine] = {}
+_ENGINES: dict[object, Engine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
@@ -125,7 +130,7 @@ def engines() -> list[Engine]:
         return list(_ENGINES.values())
 
 
-def _engines_of(group: Any) -> list[tuple[Any, Engine]]:
+def _engines_of(group: Group) -> list[tuple[object, Engine]]:
     """The engines that ``destroy_process_group(group)`` takes the process group of: every engine for
     the default group (``None`` / WORLD destroys every group), else the engine of ``group``."""
     import torch.distributed as dist
@@ -136,7 +141,7 @@ def _engines_of(group: Any) -> list[tuple[Any, Engine]]:
         return [(k, e) for k, e in _ENGINES.items() if k is group]
 
 
-def finish_saves(group: Any = None) -> BaseException | None:
+def finish_saves(group: Group = None) -> BaseException | None:
     """Wait for the in-flight saves of the engines on ``group`` (None: every engine) and close those
     whose private groups are about to go; returns the save errors not reported yet (an
     EarlierSaveFailedError naming each failed save; the first engine's if several have some; None if none)."""
@@ -170,7 +175,7 @@ def default_engine() -> Engine | None:
         return _ENGINES.get(key)
 
 
-def get_engine(process_group: Any = None) -> Engine:
+def get_engine(process_group: Group = None) -> Engine:
     """The engine of ``process_group`` (created on first use, collectively). One per group per process.
 
     ``UNICKPT_COLLECTIVE_TIMEOUT_S`` (default 1800) bounds each internal collective, so a dead peer

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
 
+    from .dist.comm import ThisProcess
     from .engine import Engine
     from .format.metadata import CheckpointMetadata
     from .geometry import ChunkSpec, ContiguousBox
@@ -148,7 +149,7 @@ class EngineHandle:
         self._engine.close()
 
 
-def engine(process_group: ProcessGroup | None = None) -> EngineHandle:
+def engine(process_group: ProcessGroup | ThisProcess | None = None) -> EngineHandle:
     """The :class:`EngineHandle` of ``process_group`` (default: the world; :data:`THIS_PROCESS`: this
     process alone). Created collectively on first use: every rank of the group must call it first on
     the same thread order (never first inside a background thread)."""
@@ -157,7 +158,7 @@ def engine(process_group: ProcessGroup | None = None) -> EngineHandle:
     return EngineHandle(get_engine(process_group))
 
 
-def new_engine(process_group: ProcessGroup | None = None) -> EngineHandle:
+def new_engine(process_group: ProcessGroup | ThisProcess | None = None) -> EngineHandle:
     """A private engine of ``process_group`` (collective when the group has several ranks), not shared
     with :func:`engine` and not waited for at teardown: the plugin waits for its saves and closes it
     (:meth:`EngineHandle.close`), e.g. to give its staging memory back between runs."""
@@ -245,7 +246,7 @@ class TiersHandle:
         self._tiers.clear_memory()
 
 
-def memory_tiers(root: str, options: TierOptions | None = None, *, process_group: ProcessGroup | None = None,
+def memory_tiers(root: str, options: TierOptions | None = None, *, process_group: ProcessGroup | ThisProcess | None = None,
                  save_options: SaveOptions | None = None) -> TiersHandle:
     """The checkpoint tiers of the run whose persistent checkpoints are under ``root`` (its memory
     directory is named after it), with ``options`` (a :class:`~unickpt.TierOptions`). Collective over

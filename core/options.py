@@ -262,6 +262,7 @@ class LoadOptions:
         opts = replace(self, redistribute=e.load_redistribute if self.redistribute is None else self.redistribute,
                        read_buffer_bytes=e.load_buffer_bytes if self.read_buffer_bytes is None else self.read_buffer_bytes,
                        read_threads=e.read_threads if self.read_threads is None else self.read_threads)
+        assert opts.read_buffer_bytes is not None and opts.read_threads is not None  # env() always gives both
         if opts.read_buffer_bytes < 1:
             raise ValueError(f"read_buffer_bytes must be positive, got {opts.read_buffer_bytes}")
         if opts.read_threads < 1:
@@ -334,10 +335,10 @@ class TierOptions:
         if memory_dir is not None and not memory_dir.strip():
             raise ValueError("memory_dir must name a directory (None: UNICKPT_MEMORY_DIR or /dev/shm/unickpt), got ''")
         e = env()
-        opts = replace(self, memory_dir=os.path.abspath(memory_dir or e.memory_dir or DEFAULT_MEMORY_DIR),
-                       signals=tuple(self.signals))
-        if os.path.exists(opts.memory_dir) and not os.path.isdir(opts.memory_dir):
-            raise ValueError(f"memory_dir {opts.memory_dir!r} exists and is not a directory (the memory tiers keep "
+        resolved = os.path.abspath(memory_dir or e.memory_dir or DEFAULT_MEMORY_DIR)
+        opts = replace(self, memory_dir=resolved, signals=tuple(self.signals))
+        if os.path.exists(resolved) and not os.path.isdir(resolved):
+            raise ValueError(f"memory_dir {resolved!r} exists and is not a directory (the memory tiers keep "
                              "a directory per run there)")
         if opts.node_id is None:
             import socket

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .errors import EarlierSaveFailedError
 from .options import LoadOptions, SaveOptions
 
 __all__ = ["SaveRequest", "LoadRequest"]
@@ -40,7 +41,7 @@ class SaveRequest:
     allow_pickle: bool = False
     options: SaveOptions | None = None
     on_commit: Callable[[], None] | None = None
-    on_error: Callable[[BaseException], bool] | None = None
+    on_error: Callable[[EarlierSaveFailedError], bool] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", os.fspath(self.path))

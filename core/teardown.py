@@ -25,7 +25,7 @@ log = logging.getLogger("unickpt")
 
 
 def _destroy_trampoline(group=None):  # its code replaces torch's destroy_process_group's (see install)
-    return _unickpt_destroy_process_group(group)  # noqa: F821 - a global of torch's c10d module
+    return _unickpt_destroy_process_group(group)  # type: ignore[name-defined]  # noqa: F821 - a global of torch's c10d module
 
 
 def install(finish: Callable[[Any], BaseException | None]) -> None:
@@ -54,7 +54,7 @@ def install(finish: Callable[[Any], BaseException | None]) -> None:
         if error is not None:
             log.error("unickpt: a save in flight at exit failed: %s", error)
 
-    c10d._unickpt_destroy_process_group = guarded
+    c10d._unickpt_destroy_process_group = guarded  # type: ignore[attr-defined]  # read by the trampoline
     target.__code__ = _destroy_trampoline.__code__
     target._unickpt_guard = True  # type: ignore[attr-defined]
     atexit.register(at_exit)

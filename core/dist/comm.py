@@ -17,14 +17,14 @@ import torch.distributed as dist
 __all__ = ["Comm", "THIS_PROCESS"]
 
 
-class _ThisProcess:
+class ThisProcess:
     """Type of :data:`THIS_PROCESS`."""
 
     def __repr__(self) -> str:
         return "unickpt.ext.THIS_PROCESS"
 
 
-THIS_PROCESS = _ThisProcess()
+THIS_PROCESS = ThisProcess()
 """``process_group=THIS_PROCESS``: this process alone, a world of one, even when a default process
 group exists (a save that one rank makes by itself, e.g. a framework hook called on rank 0 only).
 Creates no process group, so the other ranks need not take part."""

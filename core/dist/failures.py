@@ -15,10 +15,13 @@ one; else every other rank, "one or more of"), never the survivor as the rank th
 from __future__ import annotations
 
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import (CheckpointNotFoundError, FormatVersionError, IntegrityError, LoadFailedError,
                       PerRankReshardError, RankFailuresError, StateMismatchError, StorageError, UnsafeObjectError)
+
+if TYPE_CHECKING:
+    from .comm import Comm
 
 __all__ = ["describe", "raise_failures", "agree", "lost_contact"]
 
@@ -55,7 +58,7 @@ def raise_failures(path: str, failures: list, local_error: BaseException | None)
     raise LoadFailedError(path, {r: f[2] for r, f in failed.items()})
 
 
-def gather_load_outcomes(comm: Any, path: str, local_error: BaseException | None, extra: Any = None, tag: str | None = None) -> list:
+def gather_load_outcomes(comm: Comm, path: str, local_error: BaseException | None, extra: Any = None, tag: str | None = None) -> list:
     """Gather every rank's outcome (and ``extra``) on ``comm``'s plan group and raise on every rank if
     any failed (:func:`raise_failures`; ``tag``: see :func:`describe`). Returns every rank's ``extra``,
     in group-rank order."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import IntegrityError
+from ..storage.base import StorageBackend
 from .files import data_file, index_file
 
 __all__ = ["INDEX_MAGIC", "HEADER", "RECORD", "IndexRecord", "encode_index", "IndexReader"]
@@ -95,7 +96,7 @@ class IndexReader:
             that says otherwise is an IntegrityError. None: not checked.
     """
 
-    def __init__(self, storage: Any, path: str, *, whole_files: bool = False, prefix: str = "",
+    def __init__(self, storage: StorageBackend, path: str, *, whole_files: bool = False, prefix: str = "",
                  slots: int | None = None):
         self.storage, self.path, self.whole_files, self.prefix = storage, path, whole_files, prefix
         self.slots = slots

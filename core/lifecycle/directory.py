@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from ..errors import CheckpointExistsError, UnickptError
 from ..format.files import METADATA_FILE, SUBDIRS, WRITER_FILE, is_own_entry, is_own_file, is_partial_entry
-from ..format.metadata import FORMAT_NAME, CheckpointMetadata, read_metadata
+from ..format.metadata import FORMAT_NAME, CheckpointMetadata, read_extra, read_metadata
 from ..storage.base import StorageBackend
 
 __all__ = ["CheckpointDir", "WRITER_STALE_S", "is_committed", "is_incomplete_checkpoint", "writer_record",
@@ -48,12 +48,12 @@ log = logging.getLogger("unickpt")
 WRITER_STALE_S = 3600.0  # a writer on another host that has not committed for this long is presumed dead
 
 
-def is_committed(storage: Any, path: str) -> bool:
+def is_committed(storage: StorageBackend, path: str) -> bool:
     """Whether ``path`` holds a committed checkpoint (its ``metadata.json``)."""
     return storage.exists(storage.join(path, METADATA_FILE))
 
 
-def is_incomplete_checkpoint(storage: Any, path: str) -> bool:
+def is_incomplete_checkpoint(storage: StorageBackend, path: str) -> bool:
     """True if ``path`` is a directory holding nothing but what an unfinished unickpt save writes
     (``data/<rank>_<n>.bin``, ``objects/rank_<r>.json``, a temporary metadata file, the writer
     record). A committed checkpoint, a file, or a directory with anything else is not. Whether its
@@ -75,7 +75,7 @@ def writer_record() -> bytes:
     return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
 
 
-def _record(storage: Any, path: str) -> dict | None:
+def _record(storage: StorageBackend, path: str) -> dict | None:
     try:
         rec = json.loads(storage.read_bytes(storage.join(path, WRITER_FILE)))
     except (OSError, ValueError):
@@ -83,13 +83,13 @@ def _record(storage: Any, path: str) -> dict | None:
     return rec if isinstance(rec, dict) else None
 
 
-def writer_failed(storage: Any, path: str) -> bool:
+def writer_failed(storage: StorageBackend, path: str) -> bool:
     """Whether the writer record of ``path`` says its save failed (:func:`mark_failed`)."""
     rec = _record(storage, path)
     return rec is not None and rec.get("failed") is True
 
 
-def mark_failed(storage: Any, path: str) -> bytes | None:
+def mark_failed(storage: StorageBackend, path: str) -> bytes | None:
     """Mark the writer record of ``path`` ``"failed": true`` when it names this process (group rank
     0, after its save into ``path`` failed). Best effort: storage that fails (full, read-only) leaves
     the record as it is (logged). Returns the record's bytes as they are now, None when unreadable."""
@@ -110,7 +110,7 @@ def mark_failed(storage: Any, path: str) -> bytes | None:
     return marked
 
 
-def writer_is_this_process(storage: Any, path: str) -> bool:
+def writer_is_this_process(storage: StorageBackend, path: str) -> bool:
     """Whether the writer record of ``path`` names this process (host and pid)."""
     rec = _record(storage, path)
     return rec is not None and rec.get("host") == socket.gethostname() and rec.get("pid") == os.getpid()
@@ -127,7 +127,7 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def writer_alive(storage: Any, path: str) -> bool:
+def writer_alive(storage: StorageBackend, path: str) -> bool:
     """Whether the process that started the save into ``path`` may still be running: its pid is
     alive (same host), or it is on another host and started less than ``WRITER_STALE_S`` ago.
     False when there is no (readable) writer record, or it says the save failed."""
@@ -146,7 +146,7 @@ def writer_alive(storage: Any, path: str) -> bool:
     return pid_alive(pid)
 
 
-def writer_elsewhere_on_host(storage: Any, path: str) -> bool:
+def writer_elsewhere_on_host(storage: StorageBackend, path: str) -> bool:
     """Whether the writer record of ``path`` names another live process of this host (not this
     process, whose own saves its engines wait for; a writer on another host is not checked)."""
     rec = _record(storage, path)
@@ -159,7 +159,7 @@ def writer_elsewhere_on_host(storage: Any, path: str) -> bool:
     return pid != os.getpid() and pid_alive(pid)
 
 
-def leftover_reason(storage: Any, path: str, older: bool, in_flight: Callable[[str], bool] | None = None) -> str | None:
+def leftover_reason(storage: StorageBackend, path: str, older: bool, in_flight: Callable[[str], bool] | None = None) -> str | None:
     """Why ``path`` is a leftover that retention and ``unickpt prune`` remove, or None: it is incomplete
     (:func:`is_incomplete_checkpoint`), not ``in_flight`` here, and its save failed (its record says
     so) or its writer is gone; without a writer record, only when ``older`` than the newest commit
@@ -174,7 +174,7 @@ def leftover_reason(storage: Any, path: str, older: bool, in_flight: Callable[[s
     return None if writer_alive(storage, path) else "incomplete (its writer is gone)"
 
 
-def foreign_entry(storage: Any, path: str) -> str | None:
+def foreign_entry(storage: StorageBackend, path: str) -> str | None:
     """The first entry of ``path`` a unickpt save does not write, or None."""
     for name in sorted(storage.listdir(path)):
         if not is_own_entry(name):
@@ -189,7 +189,7 @@ def foreign_entry(storage: Any, path: str) -> str | None:
     return None
 
 
-def check_removable(storage: Any, path: str) -> bool:
+def check_removable(storage: StorageBackend, path: str) -> bool:
     """Raise UnickptError unless ``path`` is a unickpt checkpoint directory nobody is writing (not a
     symbolic link: its target may be another run's; nothing foreign inside). Returns whether it is
     committed."""
@@ -207,14 +207,14 @@ def check_removable(storage: Any, path: str) -> bool:
     return committed
 
 
-def remove_dir(storage: Any, path: str) -> None:
+def remove_dir(storage: StorageBackend, path: str) -> None:
     """Uncommit ``path`` (remove ``metadata.json``), then remove its tree. Entries that vanish
     meanwhile (another removal, or a retention, removing it too) are fine."""
     storage.rm(storage.join(path, METADATA_FILE))  # uncommit first
     storage.rm(path)
 
 
-def prepare_target(storage: Any, path: str, *, in_flight: Callable[[str], bool],
+def prepare_target(storage: StorageBackend, path: str, *, in_flight: Callable[[str], bool],
                    ours_in_flight: Callable[[str], bool] | None = None, writer: bool = True) -> None:
     """Make ``path`` ready for a new save (group rank 0, before planning): refuse a committed, in-flight
     or foreign target; clear a crashed save's leftovers; create ``path/data`` and (``writer``) the
@@ -283,6 +283,9 @@ class CheckpointDir:
         storage: the backend ``path`` lives on (:func:`~unickpt.storage.open_storage`).
         path: the checkpoint directory (a local path or a URL of ``storage``).
     """
+
+    MARKER_NAME = METADATA_FILE  #: the commit marker's file name, written last (a copy of a checkpoint writes it last too)
+    WRITER_NAME = WRITER_FILE  #: the writer record's file name (not part of a committed checkpoint's content)
 
     def __init__(self, storage: StorageBackend, path: str) -> None:
         self.storage, self.path = storage, path
@@ -370,6 +373,12 @@ class CheckpointDir:
         """The parsed ``metadata.json``. Raises CheckpointNotFoundError (uncommitted), FormatVersionError,
         IntegrityError (malformed), StorageError: :func:`~unickpt.format.metadata.read_metadata`."""
         return read_metadata(self.storage, self.path)
+
+    def read_extra(self) -> dict:
+        """Only the ``extra`` dict of ``metadata.json`` (what a plugin recorded with the save), about a
+        third of the cost of :meth:`read_metadata`. Raises as :meth:`read_metadata`
+        (:func:`~unickpt.format.metadata.read_extra`)."""
+        return read_extra(self.storage, self.path)
 
     def metadata_bytes(self) -> bytes:
         """``metadata.json`` as stored (to commit a copy elsewhere byte for byte). Raises

@@ -23,6 +23,7 @@ collective.
 """
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import re
@@ -121,7 +122,7 @@ class CheckpointRoot:
                     raise StorageError(f"cannot tell whether {path!r} is committed: {e}", path, e) from e
         return sorted(out)
 
-    def committed_steps(self) -> list[int]:
+    def committed_steps(self) -> builtins.list[int]:  # `list` is the method above, in this class
         return [s for s, ok in self.list() if ok]
 
     def newest_committed(self) -> int | None:
@@ -186,7 +187,7 @@ class CheckpointRoot:
         for s in doomed:
             remove_dir(self.storage, self.path(s))  # uncommitted first: a half-deleted directory never loads
 
-    def prune(self, keep_last: int, *, dry_run: bool = False, skipped: list[str] | None = None) -> list[Removal]:
+    def prune(self, keep_last: int, *, dry_run: bool = False, skipped: builtins.list[str] | None = None) -> builtins.list[Removal]:
         """Retention by hand (``unickpt prune``): remove the oldest committed ``step_<N>`` beyond the
         newest ``keep_last`` (never the newest), and the leftovers of saves that failed or whose
         writer is gone, whatever their step (without a writer record: only older than the newest
@@ -236,7 +237,7 @@ class CheckpointRoot:
         return out
 
 
-def _resolved(path: str, storage: Any) -> str:
+def _resolved(path: str, storage: StorageBackend) -> str:
     """A local path resolved (relative paths, ``.``, symlinks), so the rules apply to the real directory."""
     return os.path.realpath(storage.strip(path)) if storage.is_local else path
 
@@ -276,7 +277,7 @@ def remove_checkpoint(path: str, *, force: bool = False, dry_run: bool = False,
 
 
 def prune_checkpoints(root: str, keep_last: int, *, dry_run: bool = False, storage_options: dict | None = None,
-                      skipped: list[str] | None = None) -> list[Removal]:
+                      skipped: builtins.list[str] | None = None) -> builtins.list[Removal]:
     """:meth:`CheckpointRoot.prune` of ``root`` (a local root resolved first)."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")

@@ -14,12 +14,13 @@ from ..format.dtypes import dtype_to_str
 from ..format.metadata import CheckpointMetadata, TensorMeta, read_metadata
 from ..lifecycle.root import CheckpointRoot, step_name
 from ..state import codec
+from ..storage.base import StorageBackend
 
 __all__ = ["read_committed", "not_a_checkpoint", "check_target", "check_memory", "take_saved_empty_optimizer_states",
            "drop_states_the_checkpoint_lacks", "saved_param_groups", "check_param_groups", "check_keys"]
 
 
-def read_committed(storage: Any, path: str) -> CheckpointMetadata:
+def read_committed(storage: StorageBackend, path: str) -> CheckpointMetadata:
     """``read_metadata(storage, path)``, saying what ``path`` is when it holds no ``metadata.json``
     (:func:`not_a_checkpoint`: a file, or a checkpoint root). Raises CheckpointNotFoundError,
     FormatVersionError, IntegrityError (malformed metadata)."""
@@ -32,7 +33,7 @@ def read_committed(storage: Any, path: str) -> CheckpointMetadata:
         raise better from None
 
 
-def not_a_checkpoint(storage: Any, path: str) -> CheckpointNotFoundError | None:
+def not_a_checkpoint(storage: StorageBackend, path: str) -> CheckpointNotFoundError | None:
     """The error for a ``path`` without ``metadata.json`` that is not an unfinished save: a file (no
     checkpoint directory), or a checkpoint root (``step_<N>`` directories: its newest committed step is
     named, as ``unickpt inspect`` does); None for anything else (an unfinished save, a wrong path)."""
@@ -181,7 +182,7 @@ def _saved_group_params(saved_objects: dict, fqn: str) -> list[list[str]] | None
         whole = saved_objects.get(f"{fqn}.param_groups")
         if whole is not None:
             return [sorted(map(str, g["params"])) for g in codec.decode(whole)]
-        out = []
+        out: list[list[str]] = []
         while f"{fqn}.param_groups.{len(out)}.params" in saved_objects:
             out.append(sorted(map(str, codec.decode(saved_objects[f"{fqn}.param_groups.{len(out)}.params"]))))
         return out or None

@@ -28,10 +28,11 @@ from ..dist import failures
 from ..dist.comm import Comm
 from ..errors import IntegrityError
 from ..options import LoadOptions
+from ..plan.needs import ChunkTable
 from ..plan.read_plan import Segment, batches
+from ..storage.base import StorageBackend
 from .reads import copy_overlaps, read_ranges, verify_ranges
 from .stats import LoadStats
-from ..plan.needs import ChunkTable
 from .targets import TargetReads
 
 __all__ = ["read_and_exchange"]
@@ -54,13 +55,14 @@ def _tags(me: int, segments: list[Segment]) -> dict[tuple[int, int], int]:
     return tags
 
 
-def read_and_exchange(comm: Comm, storage: Any, path: str, table: ChunkTable, need: TargetReads,
+def read_and_exchange(comm: Comm, storage: StorageBackend, path: str, table: ChunkTable, need: TargetReads,
                        segments: list[Segment], options: LoadOptions, stats: LoadStats) -> dict[str, int]:
     """Run this rank's segments (each read by this rank or needed by it, sorted by chunk id and
     start) round by round; returns elements copied per fqn."""
     me = comm.rank
     filled: dict[str, int] = {}
     budget, verify = options.read_buffer_bytes, options.verify
+    assert budget is not None, "LoadOptions.validated() sets read_buffer_bytes"
     sizes = {cid: table.byte_length(cid) for cid in {s.chunk_id for s in segments}}
     tags = _tags(me, segments)
     index_of = {id(s): i for i, s in enumerate(segments)}
@@ -85,7 +87,7 @@ def read_and_exchange(comm: Comm, storage: Any, path: str, table: ChunkTable, ne
                 buf, lo = buffers[seg.chunk_id]
                 return buf[seg.start - lo : seg.start - lo + seg.length]
 
-            works = []
+            works: list[dist.Work | None] = []  # None: never (every rank here is in the group)
             for seg in round_segments:
                 if seg.reader != me and me in seg.needers:
                     works.append(dist.irecv(view(seg), src=comm.ranks[seg.reader], group=comm.plan_group,
@@ -117,7 +119,8 @@ def read_and_exchange(comm: Comm, storage: Any, path: str, table: ChunkTable, ne
                                                     tag=tags[(index_of[id(seg)], dst)]))
                             stats.bytes_sent += seg.length
             for w in works:
-                w.wait()
+                if w is not None:
+                    w.wait()
             if error is not None:  # keep serving the peers in later rounds; copy nothing; report at the end
                 continue
             t_copy = time.perf_counter()
@@ -134,7 +137,7 @@ def read_and_exchange(comm: Comm, storage: Any, path: str, table: ChunkTable, ne
     return filled
 
 
-def _check_file_lengths(storage: Any, path: str, table: ChunkTable, mine: list[Segment]) -> BaseException | None:
+def _check_file_lengths(storage: StorageBackend, path: str, table: ChunkTable, mine: list[Segment]) -> BaseException | None:
     """Before this rank's first read: every file it reads holds the bytes its segments need (one
     ``size`` per file). A truncated file is then an IntegrityError naming the file, its length and the
     length needed, and this rank copies nothing into the caller's tensors (its peers are still served

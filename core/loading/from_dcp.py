@@ -22,10 +22,12 @@ from typing import Any
 import torch
 
 from ..dist import failures
+from ..dist.comm import Comm
 from ..errors import IntegrityError, StateMismatchError, UnsafeObjectError
 from ..geometry import Box, intersect
 from ..lifecycle.directory import CheckpointDir
 from ..state.flat import flatten
+from ..storage.base import StorageBackend
 from .stats import LoadStats
 from .targets import narrowed, target_views
 
@@ -34,12 +36,12 @@ __all__ = ["DCP_METADATA", "is_dcp_checkpoint", "load_dcp_checkpoint", "restore_
 DCP_METADATA = ".metadata"
 
 
-def is_dcp_checkpoint(storage: Any, path: str) -> bool:
+def is_dcp_checkpoint(storage: StorageBackend, path: str) -> bool:
     """True for a DCP directory: a ``.metadata`` file and no unickpt ``metadata.json``."""
     return storage.exists(storage.join(path, DCP_METADATA)) and not CheckpointDir(storage, path).is_committed()
 
 
-def _read(storage: Any, path: str, info: Any) -> bytes:
+def _read(storage: StorageBackend, path: str, info: Any) -> bytes:
     if getattr(info, "transform_descriptors", None):
         raise IntegrityError(f"{path!r}: {info.relative_path}@{info.offset} uses DCP storage transforms "
                              f"{list(info.transform_descriptors)}, which unickpt does not read")
@@ -97,7 +99,7 @@ def _rebuild(fqn: str, planner_data: dict, values: dict[str, Any]) -> tuple[bool
     return bool(used), restore_empty_optim_state(listify(root)), used
 
 
-def load_dcp_checkpoint(comm: Any, storage: Any, path: str, state: dict, *, strict: bool, allow_pickle: bool) -> LoadStats:
+def load_dcp_checkpoint(comm: Comm, storage: StorageBackend, path: str, state: dict, *, strict: bool, allow_pickle: bool) -> LoadStats:
     """Load the DCP directory ``path`` into ``state`` in place (collective over ``comm``).
 
     Raises UnsafeObjectError without ``allow_pickle``; StateMismatchError for differing keys

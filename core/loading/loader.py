@@ -30,8 +30,11 @@ from ..dist import failures
 from ..dist.comm import Comm
 from ..errors import IntegrityError, PerRankReshardError, StateMismatchError
 from ..format.metadata import CheckpointMetadata
+from ..interop.locate import locate_checkpoint
+from ..interop.view import as_mapping, build_view
 from ..options import LoadOptions, check_options
 from ..plan.cache import PlanCache
+from ..plan.mapping import Mapping
 from ..plan.needs import ChunkTable
 from ..plan.read_plan import Segment, needs_doc, needs_signature, plan_reads
 from ..requests import LoadRequest
@@ -39,10 +42,7 @@ from ..state import codec
 from ..state.flat import FlatState, flatten, saved_leaves, undone_on_error
 from ..storage import open_storage
 from ..storage.base import StorageBackend
-from ..plan.mapping import Mapping
 from . import from_dcp
-from ..interop.locate import locate_checkpoint
-from ..interop.view import as_mapping, build_view
 from .checks import (check_keys, check_memory, check_param_groups, check_target, drop_states_the_checkpoint_lacks,
                      read_committed, saved_param_groups, take_saved_empty_optimizer_states)
 from .exchange import read_and_exchange

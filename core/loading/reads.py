@@ -8,10 +8,12 @@ from typing import Any
 
 import torch
 
+from .._util import host_bytes
 from ..errors import IntegrityError
 from ..format.integrity import checksum
 from ..format.metadata import ChunkMeta
 from ..geometry import row_major_strides
+from ..storage.base import StorageBackend
 from .targets import Overlap, narrowed
 
 __all__ = ["verify_ranges", "read_ranges", "copy_overlaps"]
@@ -20,7 +22,7 @@ __all__ = ["verify_ranges", "read_ranges", "copy_overlaps"]
 def verify_ranges(buf: torch.Tensor, lo: int, ranges: list[tuple[int, int]], chunk: ChunkMeta, path: str) -> int:
     """Compare every checksum block inside ``ranges`` (block-aligned) with the metadata; ``buf[i]``
     holds chunk byte ``lo + i``. Returns the number of blocks checked. Raises IntegrityError."""
-    data = memoryview(buf.numpy())
+    data = host_bytes(buf)
     if not chunk.block_checksums:
         spans = [(0, chunk.byte_length, chunk.checksum)]
     else:
@@ -37,7 +39,7 @@ def verify_ranges(buf: torch.Tensor, lo: int, ranges: list[tuple[int, int]], chu
     return len(spans)
 
 
-def read_ranges(storage: Any, path: str, chunk: ChunkMeta, ranges: list[tuple[int, int]], buf: torch.Tensor,
+def read_ranges(storage: StorageBackend, path: str, chunk: ChunkMeta, ranges: list[tuple[int, int]], buf: torch.Tensor,
                 lo: int) -> int:
     """Read chunk-relative ``ranges`` of ``chunk`` (in file ``path``) into ``buf`` (``buf[i]`` = chunk byte
     ``lo + i``). Returns bytes read. Raises IntegrityError for a missing, short or out-of-range file
@@ -47,7 +49,7 @@ def read_ranges(storage: Any, path: str, chunk: ChunkMeta, ranges: list[tuple[in
     if hi > chunk.byte_length:
         raise IntegrityError(f"{chunk.file}: chunk {chunk.spec} has {chunk.byte_length} bytes, needs {hi}")
     try:
-        storage.read_into(path, [(chunk.byte_offset + s, n) for s, n in ranges], memoryview(buf.numpy()),
+        storage.read_into(path, [(chunk.byte_offset + s, n) for s, n in ranges], host_bytes(buf),
                           base=chunk.byte_offset + lo)
     except EOFError as e:  # the backend names the file, its length and the length needed
         raise IntegrityError(f"truncated checkpoint file: {e}; chunk {chunk.spec} of {chunk.file} is bytes "

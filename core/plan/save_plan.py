@@ -68,7 +68,8 @@ def _split_replica(spec: ChunkSpec, nbytes: int, holders: int) -> list[tuple[int
     length = spec.lengths[dim]
     parts = min(holders, length)
     slab_bytes = nbytes // length
-    out, start = [], 0
+    out: list[tuple[int, ChunkSpec]] = []
+    start = 0
     for i in range(parts):
         n = length // parts + (1 if i < length % parts else 0)
         offsets = spec.offsets[:dim] + (spec.offsets[dim] + start,) + spec.offsets[dim + 1:]
@@ -86,7 +87,7 @@ class LocalPlan:
     the whole group then has the same plan, which is gathered and planned once."""
 
     rank: int
-    tensors: dict[str, tuple[str, tuple[int, ...], ChunkSpec | None]] = field(default_factory=dict)
+    tensors: dict[str, tuple[str, tuple[int, ...], ChunkSpec | EvenSplit | None]] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     per_rank_fqns: tuple[str, ...] = ()
     error: str | None = None  # set instead of the rest when this rank failed before planning (traceback)
@@ -214,8 +215,11 @@ class GlobalPlan:
 
 
 def _spec_key(s: ChunkSpec | EvenSplit | None) -> tuple | None:
-    if s is None:
-        return None
+    return None if s is None else _chunk_key(s)
+
+
+def _chunk_key(s: ChunkSpec | EvenSplit) -> tuple:
+    """A plain, orderable tuple for a spec (sorting and plan signatures)."""
     if isinstance(s, Box):
         return ("b", s.offsets, s.lengths)
     if isinstance(s, EvenSplit):
@@ -340,9 +344,11 @@ def make_global_plan(plans: list[LocalPlan], *, partial: bool = False) -> Global
                 continue
         for split, rs in decl:  # not every rank's part of one split: the declared parts are boxes
             for r in rs:
-                holders.setdefault((fqn, split.part(shape, r)), []).append((r,))
+                part = split.part(shape, r)
+                if part is not None:  # never None: a rank whose part is empty declares no split
+                    holders.setdefault((fqn, part), []).append((r,))
     splits = dict(sorted(splits.items()))
-    unique = [(fqn, spec, sorted(r for rs in groups_ for r in rs) if len(groups_) > 1 else groups_[0])
+    unique = [(fqn, spec, tuple(sorted(r for rs in groups_ for r in rs)) if len(groups_) > 1 else groups_[0])
               for (fqn, spec), groups_ in holders.items() if fqn not in aliases]
     by_fqn: dict[str, list[ChunkSpec]] = {fqn: [] for fqn in tensors if fqn not in splits}
     for fqn, spec, _ in unique:
@@ -375,7 +381,7 @@ def make_global_plan(plans: list[LocalPlan], *, partial: bool = False) -> Global
             parts.append((nbytes, fqn, spec, ranks))
         else:
             parts += [(n, fqn, part, ranks) for n, part in _split_replica(spec, nbytes, count)]
-    parts.sort(key=lambda s: (-s[0], s[1], _spec_key(s[2])))
+    parts.sort(key=lambda s: (-s[0], s[1], _chunk_key(s[2])))
     pickers: dict[tuple[int, ...], LeastLoaded] = {}
     for nbytes, fqn, spec, ranks in parts:
         picker = pickers.get(ranks)
@@ -550,13 +556,14 @@ def _make_save_plan(plans: list[LocalPlan], flat_ranges: str, segment_bytes: int
         chunks = by_fqn[fqn]
         dtype, shape = gp.tensors[fqn]
         itemsize = str_to_dtype(dtype).itemsize
-        if flat_ranges == "merge" and all(isinstance(c.spec, FlatRange) for c in chunks):
+        ranges = [(c.spec.start, c.spec.length, c.writer) for c in chunks if isinstance(c.spec, FlatRange)]
+        if flat_ranges == "merge" and len(ranges) == len(chunks):
             merged_tensors += 1
-            for m in merge_ranges(shape, itemsize, [(c.spec.start, c.spec.length, c.writer) for c in chunks]):
+            for m in merge_ranges(shape, itemsize, ranges):
                 parts = tuple((b, n, src, sb, None) for b, n, src, sb in m.parts)
                 merged.setdefault(m.writer, []).append((fqn, m.spec, m.nbytes, parts, -1))
             continue
-        for c in sorted(chunks, key=lambda c: _spec_key(c.spec)):
+        for c in sorted(chunks, key=lambda c: _chunk_key(c.spec)):
             leaf_spec = by_rank[c.writer].tensors[fqn][2]
             view = None if isinstance(leaf_spec, EvenSplit) else _relative_view(leaf_spec, c.spec)
             todo.setdefault(c.writer, []).append((fqn, c.spec, c.nbytes, ((0, c.nbytes, c.writer, 0, view),), -1))
@@ -590,7 +597,9 @@ def _make_save_plan(plans: list[LocalPlan], flat_ranges: str, segment_bytes: int
         got = layouts.get(r)
         if got is not None:
             return got
-        chunks, segs, seg_size = [], [], 0
+        chunks: list = []
+        segs: list[str] = []
+        seg_size = 0
         for fqn, spec, nbytes, parts, slot in items_of(r):
             if not segs or (seg_size and seg_size + nbytes > segment_bytes):
                 segs.append(data_file(r, len(segs)))

@@ -35,16 +35,19 @@ from typing import Any, Callable
 
 import torch
 
+from ..dist.comm import Comm
 from ..dist.failures import lost_contact
 from ..errors import SaveFailedError
+from ..format.files import INDEX_DIR, METADATA_FILE, data_file, index_file, objects_file
 from ..format.index import IndexRecord, encode_index
 from ..format.integrity import CHECKSUM_BLOCK_BYTES, MAX_BLOCKS_PER_CHUNK
-from ..format.files import INDEX_DIR, METADATA_FILE, data_file, index_file, objects_file
 from ..format.metadata import CheckpointMetadata, ChunkMeta, TensorMeta, spec_order
 from ..lifecycle.directory import CheckpointDir
+from ..plan.save_plan import SavePlan
 from ..storage import open_storage
-from .run import DrainResult
+from ..storage.base import StorageBackend
 from .request import SaveStats, SaveTask
+from .run import DrainResult
 from .snapshot import Snapshot, format_exc
 from .upload import Uploader, format_upload_error, remote_dir
 
@@ -57,7 +60,7 @@ class _StageFailure(Exception):
     """A pipeline stage's failure text, reported as it is."""
 
 
-def build_metadata(plan: Any, results: list[dict], *, world_size: int, skeleton: Any, step: int | None = None,
+def build_metadata(plan: SavePlan, results: list[dict], *, world_size: int, skeleton: Any, step: int | None = None,
                    framework: str | None = None, run_id: str | None = None, extra: dict | None = None,
                    partial: bool = False) -> CheckpointMetadata:
     """The metadata a save commits: every explicit chunk of ``plan`` (a
@@ -102,6 +105,10 @@ def build_metadata(plan: Any, results: list[dict], *, world_size: int, skeleton:
                               run_id=run_id, extra=extra or {}, index=index)
 
 
+def _never_busy(path: str, others: int = 0) -> bool:
+    return False
+
+
 class Committer:
     """The commits of one group's saves (see the module docstring).
 
@@ -109,16 +116,16 @@ class Committer:
         comm: the group's collectives; ``run_id``: recorded in every ``metadata.json`` of this engine.
     """
 
-    def __init__(self, comm: Any, run_id: str):
+    def __init__(self, comm: Comm, run_id: str):
         self.comm, self.run_id = comm, run_id
         self.rank, self.world_size = comm.rank, comm.world_size
         # group rank 0: this engine's failed saves, (path, storage options, save options, writer record
         # bytes after the failure), removed after the next successful commit (see the module docstring)
         self._failed: list[tuple[str, Any, Any, bytes]] = []
         # busy(path, others): more than ``others`` saves into path are in flight in this process (set by the saver)
-        self.busy: Callable[[str, int], bool] = lambda path, others=0: False
+        self.busy: Callable[[str, int], bool] = _never_busy
 
-    def commit(self, req: SaveTask, plan: Any, snap: Snapshot, drained: DrainResult, error: str | None,
+    def commit(self, req: SaveTask, plan: SavePlan, snap: Snapshot, drained: DrainResult, error: str | None,
                stats: SaveStats) -> None:
         """Commit thread: steps 1-4 of the module docstring. ``error``: this rank's first stage failure.
         Returns once committed on every rank; raises SaveFailedError otherwise."""
@@ -215,7 +222,7 @@ class Committer:
                 raise RuntimeError(format_upload_error(e)) from e
         return rel
 
-    def _write_index(self, req: SaveTask, plan: Any, mine: list, digests: list, stats: SaveStats) -> None:
+    def _write_index(self, req: SaveTask, plan: SavePlan, mine: list, digests: list, stats: SaveStats) -> None:
         """Format v2: this rank's index file, a record per split tensor (its part: file, offset,
         checksums; an empty record where its part is empty), durable before the commit."""
         records = {c.slot: IndexRecord(c.segment, c.offset, c.nbytes, d[0], tuple(d[1]), d[2])
@@ -231,7 +238,7 @@ class Committer:
             except BaseException as e:
                 raise RuntimeError(format_upload_error(e)) from e
 
-    def _check_lengths(self, req: SaveTask, plan: Any) -> None:
+    def _check_lengths(self, req: SaveTask, plan: SavePlan) -> None:
         """Each of this rank's data files holds the bytes the plan gives it (a disk that accepted a
         write and kept less, a file cut meanwhile); raises OSError(EIO) naming the file, the bytes
         written and the bytes it holds. One ``size`` per file."""
@@ -305,7 +312,7 @@ class Committer:
                   stats.stall_s, self.world_size, extra={"unickpt_event": "save", "unickpt_stats": stats})
 
 
-def _check_size(storage: Any, path: str, nbytes: int) -> None:
+def _check_size(storage: StorageBackend, path: str, nbytes: int) -> None:
     """``path`` holds the ``nbytes`` bytes written to it; else OSError(EIO) naming the file, the bytes
     written and the bytes it holds (a short write: a disk that accepted a write and kept less)."""
     held = storage.size(path)
@@ -313,7 +320,7 @@ def _check_size(storage: Any, path: str, nbytes: int) -> None:
         raise OSError(errno.EIO, f"{path}: {nbytes} bytes were written, the file holds {held} (a short write)")
 
 
-def _write_checked(storage: Any, path: str, blob: bytes) -> int:
+def _write_checked(storage: StorageBackend, path: str, blob: bytes) -> int:
     """Write ``blob`` (a per-rank object file, an index file) to ``path`` and check the file holds all of
     it (:func:`_check_size`). Returns the bytes written."""
     n = storage.write_file(path, [blob])

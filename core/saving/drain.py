@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 from ..format.integrity import ChunkHasher
 from ..storage import open_storage
+from ..storage.base import StorageBackend
 from ..storage.local import DIRECT_ALIGN
 
 __all__ = ["HashWriter", "JobSpec", "DIRECT_MIN_BYTES", "DrainEvents", "ThreadDrain"]
@@ -120,7 +121,7 @@ class HashWriter:
             training loop's threads win the CPU when they compete.
     """
 
-    def __init__(self, ring: Callable[[int], memoryview], storage: Any = open_storage, *, freed: Callable,
+    def __init__(self, ring: Callable[[int], memoryview], storage: Callable[..., StorageBackend] = open_storage, *, freed: Callable,
                  chunk: Callable, segment: Callable, done: Callable, failed: Callable, nice: int = 0):
         self._ring, self._storage = ring, storage
         self._freed, self._chunk, self._segment, self._done, self._failed = freed, chunk, segment, done, failed
@@ -330,7 +331,7 @@ class _Writeback:
     WAIT_BEFORE, WRITE, WAIT_AFTER = 1, 2, 4
 
     def __init__(self, path: str):
-        self.path, self.fd = path, None
+        self.path, self.fd = path, None  # type: tuple[str, int | None]
         self._prev: tuple[int, int] | None = None
         if _Writeback._fn is None:
             _Writeback._fn = False

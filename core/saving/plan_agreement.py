@@ -34,6 +34,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from ..dist.comm import Comm
 from ..errors import CheckpointExistsError, ReplicaMismatchError, SaveFailedError, UnsafeObjectError
 from ..options import SaveOptions
 from ..plan.cache import PlanCache
@@ -61,7 +62,7 @@ class PlanAgreement:
         comm: the group's collectives (:class:`~unickpt.dist.comm.Comm`).
     """
 
-    def __init__(self, comm: Any):
+    def __init__(self, comm: Comm):
         self.comm = comm
         self.cache: PlanCache[SavePlan] = PlanCache(PLAN_CACHE_SIZE)
         self._samples: dict[Hashable, RotatingSample] = {}  # cache key -> its replica sample ("sample" mode)

@@ -50,6 +50,8 @@ from typing import Any, Callable
 import torch
 import xxhash
 
+from .._util import host_bytes
+from ..dist.comm import Comm
 from ..errors import ReplicaMismatchError
 
 __all__ = ["replica_digest", "check_replicas", "sample_range", "RotatingSample", "SAMPLE_BYTES", "SAMPLE_WINDOWS",
@@ -84,7 +86,7 @@ def _update(h: Any, t: torch.Tensor, start: int, end: int) -> None:
     if t.device.type == "cpu" and t.is_contiguous():
         h.update((ctypes.c_char * (end - start)).from_address(t.data_ptr() + start))
     else:
-        h.update(memoryview(_bytes_view(t)[start:end].cpu().numpy()))
+        h.update(host_bytes(_bytes_view(t)[start:end].cpu()))
 
 
 def _signed(d: int) -> int:
@@ -124,7 +126,7 @@ def replica_digest(t: torch.Tensor, full: bool = False, piece: tuple[int, int] |
     return _signed(h.intdigest())
 
 
-def check_replicas(comm: Any, replicas: tuple, leaves: dict[str, torch.Tensor], full: bool = False,
+def check_replicas(comm: Comm, replicas: tuple, leaves: dict[str, torch.Tensor], full: bool = False,
                    count: int | None = None) -> int:
     """Compare every replicated chunk across its holders (collective over ``comm``'s plan group).
 

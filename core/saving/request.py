@@ -18,7 +18,9 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from ..errors import EarlierSaveFailedError
 from ..options import SaveOptions
+from ..plan.save_plan import SavePlan
 from ..requests import SaveRequest
 from ..storage.base import StorageBackend
 
@@ -84,7 +86,7 @@ class SaveProgress:
         self.planned = threading.Event()
         self.released = threading.Event()
         self.snapshot_done = threading.Event()
-        self.plan: Any = None  # the SavePlan, set before ``planned``
+        self.plan: SavePlan | None = None  # the SavePlan, set before ``planned``
         self.plan_error: BaseException | None = None  # planning failed, on every rank alike
         self._error: str | None = None
         self._lock = threading.Lock()
@@ -115,7 +117,7 @@ class SaveProgress:
         if text is not None:
             cb(text)
 
-    def finish_planning(self, plan: Any = None, error: BaseException | None = None) -> None:
+    def finish_planning(self, plan: SavePlan | None = None, error: BaseException | None = None) -> None:
         """The save thread, once planning ended: with ``error`` nothing is staged (every event is set)."""
         self.plan, self.plan_error = plan, error
         if error is not None:
@@ -205,7 +207,7 @@ class SaveHandle:
     """
 
     def __init__(self, future: Future, stats: SaveStats, progress: SaveProgress | None = None, seq: int = -1,
-                 on_error: Callable[[BaseException], bool] | None = None):
+                 on_error: Callable[[EarlierSaveFailedError], bool] | None = None):
         self._future = future
         self._progress = progress
         self.stats = stats

@@ -41,12 +41,13 @@ from ..dist.comm import Comm, local_synchronization
 from ..dist.p2p import P2P
 from ..lifecycle.directory import prepare_target
 from ..options import SaveOptions, check_options
+from ..plan.save_plan import SavePlan
 from ..requests import SaveRequest
 from ..storage import open_storage
 from . import snapshot as snapshot_mod
-from .plan_agreement import PlanAgreement
 from .commit import Committer
 from .pipeline import SavePipeline
+from .plan_agreement import PlanAgreement
 from .replicas import check_replicas
 from .reports import agree_finished, report_unreported
 from .request import SaveHandle, SaveProgress, SaveStats, SaveTask
@@ -228,7 +229,7 @@ class Saver:
                     log.warning("unickpt: could not remove %s after its save failed to plan", path, exc_info=True)
             raise
 
-    def _check_replicas(self, snap: Snapshot, plan: Any, full: bool, stats: SaveStats) -> None:
+    def _check_replicas(self, snap: Snapshot, plan: SavePlan, full: bool, stats: SaveStats) -> None:
         """Before staging: the holders of each replicated chunk hold the same bytes
         (:mod:`.replicas`; raises ReplicaMismatchError on every rank)."""
         if not plan.replicas or self.world_size == 1:
@@ -243,6 +244,7 @@ class Saver:
             progress.planned.wait()
             if progress.plan_error is not None:  # every rank failed the plan alike: nothing to gather
                 raise progress.plan_error
+            assert progress.plan is not None, "finish_planning sets the plan or the error"
             drained = self.pipeline.wait_drained(req.seq)
             self.committer.commit(req, progress.plan, snap, drained, progress.error, stats)
         finally:

@@ -140,7 +140,7 @@ def _optimizer_owned(flat: FlatState) -> tuple[frozenset, list]:
     """The fqns whose tensors belong to an optimizer of the flattened state (its parameters and its
     state tensors: only ``optimizer.step()`` changes them), and those optimizers."""
     optims = flat.optimizers
-    ptrs = set()
+    ptrs: set[int | None] = set()
     for o in optims:
         for g in o.param_groups:
             ptrs.update(_storage_ptr(p) for p in g["params"])

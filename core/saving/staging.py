@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from .._util import host_bytes
 from ..geometry import FlatRange, chunk_pieces
 from ..options import SaveOptions
 from ..plan.stream import GRANULE_BYTES
@@ -188,11 +189,13 @@ class StagingPool:
         return True
 
     def _populate(self, base: int, end: int) -> None:
-        step = PREFAULT_STEP_BYTES
+        step, madvise = PREFAULT_STEP_BYTES, _madvise
+        if madvise is None:
+            return
         for off in range(PREFAULT_AHEAD_BYTES, end, step):
             if self._stop_prefault.is_set():
                 return
-            if _madvise(base + off, min(step, end - off), MADV_POPULATE_WRITE) != 0:
+            if madvise(base + off, min(step, end - off), MADV_POPULATE_WRITE) != 0:
                 return  # EINVAL: not supported here; ENOMEM etc.: leave the rest to the stager
 
     def _release_memory(self) -> None:
@@ -212,7 +215,7 @@ class StagingPool:
     def memoryview(self) -> memoryview:
         """The ring's bytes (for the hasher and writer)."""
         assert self._tensor is not None
-        return memoryview(self._tensor.numpy()).cast("B")
+        return host_bytes(self._tensor)
 
     def send_buffer(self, nbytes: int, pin: bool = False) -> torch.Tensor:
         """A reusable buffer of at least ``nbytes`` for merge transfers (outside the ring: sends must

@@ -27,6 +27,7 @@ What runs where (every rank of the checkpointer's group):
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -246,7 +247,7 @@ class Tiers:
             try:
                 handle = self.saver.save(SaveRequest(path, async_save=True, step=int(step), extra=extra,
                                                      allow_pickle=allow_pickle, options=self.memory_options,
-                                                     on_commit=lambda s=int(step): self._committed(s)), state)
+                                                     on_commit=functools.partial(self._committed, int(step))), state)
                 self._handles.append(handle)
             except Exception as e:
                 self.skipped += 1

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..dist.comm import Comm
 from ..errors import IntegrityError, StateMismatchError, UnsafeObjectError
 from ..loading.stats import LoadStats
 from .node_dirs import MemoryLayout, remove_tree
@@ -124,7 +125,7 @@ class Recovery:
         load_copy: ``load_copy(path) -> LoadStats``: load a copy into the caller's state, alone.
     """
 
-    def __init__(self, comm: Any, placement: Placement, layout: MemoryLayout, load_copy: Callable[[str], LoadStats]):
+    def __init__(self, comm: Comm, placement: Placement, layout: MemoryLayout, load_copy: Callable[[str], LoadStats]):
         self.comm, self.placement, self.layout, self.load_copy = comm, placement, layout, load_copy
         self.rank, self.world_size = comm.rank, comm.world_size
         self.collectives = 0
@@ -231,7 +232,8 @@ class Recovery:
         import torch.distributed as dist
 
         me, ws = self.rank, self.world_size
-        works, keep = [], []
+        works: list[dist.Work | None] = []  # None: never (every rank here is in the group)
+        keep: list[torch.Tensor] = []
         received, error = None, None
         for q in sorted(pick):
             src = pick[q]
@@ -255,16 +257,18 @@ class Recovery:
                 remove_tree(received)
                 for rel, n in src.files:
                     target = os.path.join(received, rel)
+                    into: torch.Tensor | None
                     try:
                         reserve_file(target, int(n))
-                        t = map_file(target, int(n)) if n else None
+                        into = map_file(target, int(n)) if n else None
                     except (OSError, RuntimeError) as e:  # no room: receive into RAM, and give this copy up
                         error = error or e
-                        t = torch.empty(int(n), dtype=torch.uint8) if n else None
-                    if t is not None:
-                        keep.append(t)
-                        works.append(dist.irecv(t, src=self.comm.ranks[src.server], group=self.comm.plan_group, tag=tag))
+                        into = torch.empty(int(n), dtype=torch.uint8) if n else None
+                    if into is not None:
+                        keep.append(into)
+                        works.append(dist.irecv(into, src=self.comm.ranks[src.server], group=self.comm.plan_group, tag=tag))
         for w in works:
-            w.wait()
+            if w is not None:
+                w.wait()
         del keep
         return received, error

@@ -148,7 +148,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     latest_path = storage.join(args.root, "latest")
     if persisted and storage.exists(latest_path):
         latest = storage.read_bytes(latest_path).decode().strip()
-    rows = []
+    rows: list[dict[str, Any]] = []  # printed, or written as JSON
     for step in sorted(set(entries) | set(memory)):
         name = f"step_{step}"
         committed = entries.get(step)
@@ -181,8 +181,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if run is not None and r["peer"]:
             where.append(f"peer copies ({_ranks({int(w): v for w, v in r['peer'].items()})})")
         mark = "  <- latest" if r["latest"] else ""
-        size = _human(r["bytes"]) if r["committed"] is not None else "-"
-        print(f"{r['name']:<16}{r['step']:>10}  {status:<12}{size:>10}  {', '.join(where) or '-'}{mark}")
+        shown = _human(r["bytes"]) if r["committed"] is not None else "-"
+        print(f"{r['name']:<16}{r['step']:>10}  {status:<12}{shown:>10}  {', '.join(where) or '-'}{mark}")
     return 0
 
 
@@ -281,8 +281,8 @@ def cmd_rm(args: argparse.Namespace) -> int:
             errors.append(str(e))
     if removals or not errors:
         _print_removals(args, removals)
-    for e in errors:
-        print(f"unickpt rm: {e}", file=sys.stderr)
+    for message in errors:
+        print(f"unickpt rm: {message}", file=sys.stderr)
     return EXIT_ERROR if errors else 0
 
 

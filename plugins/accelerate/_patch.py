@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import unickpt
 from unickpt import Checkpointer, ext, interop
@@ -237,22 +237,28 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
         if not fsdp:
             indices = _kept(original, weights)
 
-    after = None
+    after: Callable[[int], None] | None = None
     limit = acc.project_configuration.total_limit
     if acc.project_configuration.automatic_checkpoint_naming and limit is not None:
-        checkpoints_dir, keep = _checkpoints_dir(acc), output_dir
-        after = lambda: _folders.rotate(checkpoints_dir, limit, keep, engine.in_flight)  # noqa: E731
+        checkpoints_dir, keep, total = _checkpoints_dir(acc), output_dir, limit
+
+        def rotate(_step: int) -> None:
+            _folders.rotate(checkpoints_dir, total, keep, engine.in_flight)
+
+        after = rotate
     # the unickpt root inside this Accelerate folder keeps its newest committed save only, then runs the
     # total_limit rotation on group rank 0
-    ckpt = Checkpointer(_folders.store_root(output_dir), keep_last=1, on_commit=None if after is None else lambda _: after(),
+    ckpt = Checkpointer(_folders.store_root(output_dir), keep_last=1, on_commit=after,
                         allow_pickle=opts.allow_pickle or not safe_serialization, framework=FRAMEWORK,
                         on_error=opts.on_error)
     step: int | None = None
     try:
         state = build_state(acc, indices, opts, saving=True)  # collective on several processes
         step = engine.broadcast(_folders.next_step(output_dir) if engine.rank == 0 else None)
+        assert step is not None  # process 0's
         with process0_buffers(acc, indices):  # the snapshot is taken when save() returns
             handle = ckpt.save(step, state, async_save=opts.async_save)
+        assert handle is not None  # a Checkpointer without tiers returns its persistent save's handle
         if after is not None:
             _rotate_at_return(engine, handle, checkpoints_dir, limit, output_dir)
     except BaseException as e:
@@ -385,7 +391,8 @@ def _load_foreign(acc: Any, opts: Options, path: str, kwargs: dict) -> None:
     if acc.scaler is not None and acc.is_fsdp2:
         acc.scaler._lazy_init_scale_growth_tracker(acc.scaler._device)
     if ext.engine().rank == 0:
-        log.info("unickpt.accelerate: loaded %s, written by %s (%s)", path, stats.conversion["from"], stats.conversion)
+        conversion = stats.conversion or {}
+        log.info("unickpt.accelerate: loaded %s, written by %s (%s)", path, conversion.get("from"), conversion)
 
 
 def _load_state(acc: Any, opts: Options, input_dir: str | None, load_kwargs: dict | None, kwargs: dict) -> Any:
@@ -398,7 +405,9 @@ def _load_state(acc: Any, opts: Options, input_dir: str | None, load_kwargs: dic
         # decided on process 0 for all: processes may name different folders (each its own temporary
         # one), and a process whose own folder is empty must still follow process 0's path
         given = os.path.expanduser(os.fspath(input_dir))
-        foreign, refused = engine.broadcast(_foreign_or_refusal(given) if engine.rank == 0 else None)
+        agreed = engine.broadcast(_foreign_or_refusal(given) if engine.rank == 0 else None)
+        assert agreed is not None  # process 0's
+        foreign, refused = agreed
         if refused is not None:  # a checkpoint of another framework that cannot move (a Lightning .ckpt pack)
             raise unickpt.StateMismatchError(refused)
         if foreign is not None:
@@ -502,5 +511,7 @@ def patch_accelerate() -> None:
         for fn in (save_state, load_state, end_training):
             fn.__unickpt__ = True  # type: ignore[attr-defined]
         Accelerator.save_state, Accelerator.load_state, Accelerator.end_training = save_state, load_state, end_training
-        shutil.rmtree = _rmtree_after_saves  # removing a folder right after save_state removes the whole checkpoint
+        # removing a folder right after save_state removes the whole checkpoint; a wrapper of shutil.rmtree set on
+        # purpose (functools.wraps copies its avoids_symlink_attacks, which typeshed's _RmtreeType requires)
+        shutil.rmtree = _rmtree_after_saves  # type: ignore[assignment]
         atexit.register(_wait_quietly)

@@ -140,7 +140,7 @@ class Process0State:
 
         error: BaseException | None = None
         payload: list[Any] = [None]
-        own = None
+        own: dict = {}  # process 0: its state dict (a failure is raised below)
         if dist.get_rank() == 0:
             try:  # any failure is sent too: the other processes must not wait for a broadcast that never comes
                 own = obj.state_dict()

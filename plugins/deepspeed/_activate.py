@@ -112,7 +112,7 @@ def _with_tiers(original: Any) -> Any:
     @functools.wraps(original)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         ckpt = getattr(self, "checkpoint_engine", None)
-        if not (getattr(ckpt, "is_unickpt", False) and ckpt.config.tiers_enabled):
+        if ckpt is None or not (getattr(ckpt, "is_unickpt", False) and ckpt.config.tiers_enabled):
             return original(self, *args, **kwargs)
         before = self.global_steps
         out = original(self, *args, **kwargs)
@@ -123,7 +123,7 @@ def _with_tiers(original: Any) -> Any:
         return out
 
     setattr(step, _MARK, True)
-    step.__unickpt_original__ = original
+    setattr(step, "__unickpt_original__", original)
     return step
 
 
@@ -144,7 +144,7 @@ def _checked_at_init(original: Any) -> Any:
         return out
 
     setattr(configure, _MARK, True)
-    configure.__unickpt_original__ = original
+    setattr(configure, "__unickpt_original__", original)
     return configure
 
 
@@ -162,5 +162,5 @@ def _dispatch(original: Any, name: str) -> Any:
         return getattr(checkpoint, name)(self, *args, **kwargs)
 
     setattr(method, _MARK, True)
-    method.__unickpt_original__ = original
+    setattr(method, "__unickpt_original__", original)
     return method

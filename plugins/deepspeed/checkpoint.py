@@ -497,7 +497,7 @@ def _check_pipeline_stages(engine: Any, meta: Any, path: str, load_module_strict
         raise StateMismatchError("pipeline stages and the checkpoint differ: " + "; ".join(failed))
 
 
-def _load_from_memory(engine: Any, storage: Any, load_dir: str, load_module_strict: bool,
+def _load_from_memory(engine: Any, storage: ext.StorageBackend, load_dir: str, load_module_strict: bool,
                       load_optimizer_states: bool, load_lr_scheduler_states: bool) -> tuple[Any, Any] | None:
     """The checkpoint tiers (docs/tiers.md): restore the newest step that every rank holds in memory
     (its node's, or a peer node's) when it is at least as new as ``load_dir/latest``'s global step.
@@ -557,6 +557,8 @@ def _apply_loaded(engine: Any, layout: ZeroLayout, path: str, state: dict, with_
         _restore_optimizer_scalars(layout, path, state["optimizer"]["scalars"], state["optimizer"]["param_groups"])
         if state["optimizer"].get("wrapper") is not None:
             wrapper = ext.Codec.decode(state["optimizer"]["wrapper"], key="optimizer.wrapper")
+            if not isinstance(wrapper, dict):
+                raise TypeError(f"{path!r}: 'optimizer.wrapper' is a {type(wrapper).__name__}, not a dict")
             dropped = restore_wrapper_state(layout, wrapper)
             if dropped:
                 log.warning("unickpt.deepspeed: %s: this engine's %s has no place for the saved loss-scaler fields "
@@ -707,10 +709,17 @@ def _saved_plain(saved_objects: dict, fqn: str, twice: bool = False) -> Any:
     return ext.Codec.decode(value, key=fqn) if twice else value
 
 
+def _decoded_list(path: str, encoded: Any, key: str) -> list:
+    """The list this plugin encoded as ``key``, decoded; TypeError naming ``key`` for anything else."""
+    value = ext.Codec.decode(encoded, key=key)
+    if not isinstance(value, list):
+        raise TypeError(f"{path!r}: {key!r} is a {type(value).__name__}, not a list")
+    return value
+
+
 def _restore_optimizer_scalars(layout: ZeroLayout, path: str, scalars_enc: Any, groups_enc: Any) -> None:
-    scalars = ext.Codec.decode(scalars_enc, key="optimizer.scalars")
-    groups = ext.Codec.decode(groups_enc, key="optimizer.param_groups")
-    scalars = _scalars_for(layout, path, scalars)
+    scalars = _scalars_for(layout, path, _decoded_list(path, scalars_enc, "optimizer.scalars"))
+    groups = _decoded_list(path, groups_enc, "optimizer.param_groups")
     if len(groups) != len(layout.base.param_groups):
         raise StateMismatchError(f"{path!r}: 'optimizer.param_groups': the checkpoint has {len(groups)} param "
                                  f"groups, this optimizer has {len(layout.base.param_groups)}")

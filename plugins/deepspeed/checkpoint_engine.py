@@ -68,10 +68,14 @@ class UnickptCheckpointEngine(CheckpointEngine):
     # -- the checkpoint tiers (docs/tiers.md) ----------------------------------------------------------
     def tiers_for(self) -> Any:
         """The :class:`unickpt.ext.TiersHandle` of this engine (created on first use; collective: every
-        rank gets here at the same optimizer step, or in ``load_checkpoint``)."""
+        rank gets here at the same optimizer step, or in ``load_checkpoint``). Raises ValueError when the
+        config has no ``save_dir``."""
         if self.tiers is None:
             from unickpt import ext
 
+            if self.config.save_dir is None:
+                raise ValueError('DeepSpeed config "unickpt": the checkpoint tiers need "save_dir" (the run\'s '
+                                 'checkpoint directory)')
             self.tiers = ext.memory_tiers(self.config.save_dir, self.config.tier_options())
         return self.tiers
 

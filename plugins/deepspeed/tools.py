@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from unickpt import ext
 
 __all__ = ["install", "fp32_state_dict", "to_universal", "model_record", "copy_recovery_script",
            "zero_to_fp32_module", "zero_to_fp32_main", "is_unickpt_checkpoint", "RECOVERY_SCRIPT"]
@@ -71,7 +74,7 @@ def _wrap(original: Any, replacement: Any) -> Any:
         return replacement(original, *args, **kwargs)
 
     setattr(wrapper, _MARK, True)
-    wrapper.__unickpt_original__ = original
+    setattr(wrapper, "__unickpt_original__", original)
     return wrapper
 
 
@@ -148,6 +151,8 @@ def fp32_state_dict(path: str, *, exclude_frozen_parameters: bool = False, verif
                                  "(use `unickpt export` for other checkpoints)")
     _, _, objects = ext.StateTools.saved_leaves(meta.state_tree)
     info = (ext.Codec.decode(objects["deepspeed"], key="deepspeed") if "deepspeed" in objects else None) or {}
+    if not isinstance(info, dict):
+        raise TypeError(f"{path!r}: 'deepspeed' is a {type(info).__name__}, not a dict")
     stored = list(meta.tensors) + [f for f in meta.aliases if f not in meta.tensors]
 
     def names(prefix: str) -> list[str]:
@@ -164,8 +169,8 @@ def fp32_state_dict(path: str, *, exclude_frozen_parameters: bool = False, verif
     not_frozen = set(trainable) | set(buffers)
     frozen = [n for n in module_names if n not in not_frozen]
     wanted = buffers + ([] if exclude_frozen_parameters else frozen)
-    state = {"module": {n: empty(f"module.{n}") for n in wanted},
-             "optimizer": {"fp32": {n: empty(f"optimizer.fp32.{n}") for n in trainable}}}
+    state: dict[str, dict] = {"module": {n: empty(f"module.{n}") for n in wanted},
+                              "optimizer": {"fp32": {n: empty(f"optimizer.fp32.{n}") for n in trainable}}}
     ext.load_solo(path, state, strict=False, verify=verify)
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for n in buffers:
@@ -257,7 +262,7 @@ def to_universal(src: str, dst: str) -> None:
 
 
 # -- the recovery script ------------------------------------------------------------------------------
-def copy_recovery_script(storage: Any, save_dir: str) -> None:
+def copy_recovery_script(storage: ext.StorageBackend, save_dir: str) -> None:
     """Group rank 0, at the commit of ``save_checkpoint``: ``save_dir/zero_to_fp32.py``
     (:data:`RECOVERY_SCRIPT`) and DeepSpeed's ``zero_to_torch.py`` (which imports it), executable, as
     DeepSpeed's ``_copy_recovery_script`` leaves them (``runtime/engine.py``)."""

@@ -290,6 +290,12 @@ def _parse_chunk_key(key: str) -> tuple[str, tuple[int, ...]]:
     return fqn, tuple(int(o) for o in offs.split("_")) if offs else ()
 
 
+def _generation(extra: dict) -> object:
+    """The generation directory a committed checkpoint's metadata names (``extra["dcp"]["generation"]``), or None."""
+    dcp_extra = extra.get("dcp")
+    return dcp_extra.get("generation") if isinstance(dcp_extra, dict) else None
+
+
 def _commit_generation(storage: ext.StorageBackend, path: str, gen: str) -> None:
     """Make the committed save in ``<path>/<gen>`` the checkpoint at ``path``: one commit of ``path``
     (:meth:`~unickpt.ext.CheckpointDir.commit`) with the generation's metadata, its file names prefixed
@@ -298,14 +304,15 @@ def _commit_generation(storage: ext.StorageBackend, path: str, gen: str) -> None
     loadable; other files in ``path`` are left alone."""
     top = ext.CheckpointDir(storage, path)
     meta = _prefixed(ext.CheckpointDir(storage, storage.join(path, gen)).read_metadata(), gen)
-    try:
-        old = top.read_metadata() if top.is_committed() else None
+    try:  # the checkpoint replaced: its generation is enough, unless it was written into path itself
+        old_extra = top.read_extra() if top.is_committed() else None
+        old = top.read_metadata() if old_extra is not None and _generation(old_extra) is None else None
     except Exception:  # unreadable: it is replaced, its files are left alone
-        old = None
+        old_extra = old = None
     top.commit(meta)
-    if old is None:
+    if old_extra is None:
         return
-    old_gen = (old.extra.get("dcp") or {}).get("generation")
+    old_gen = _generation(old_extra)
     if isinstance(old_gen, str) and old_gen != gen and old_gen.count("/") == 1 and \
             old_gen.startswith(GENERATIONS_DIR + "/") and len(old_gen) > len(GENERATIONS_DIR) + 1:
         try:
@@ -313,7 +320,7 @@ def _commit_generation(storage: ext.StorageBackend, path: str, gen: str) -> None
         except FileNotFoundError:
             pass
         return
-    if old_gen is None:  # a checkpoint written into path itself (unickpt.save, an older StorageWriter)
+    if old is not None:  # a checkpoint written into path itself (unickpt.save, an older StorageWriter)
         keep = {c.file for t in meta.tensors.values() for c in t.explicit}
         files = {c.file for t in old.tensors.values() for c in t.explicit}
         files |= set(old.per_rank.get("files") or [])
@@ -540,7 +547,12 @@ class StorageWriter(_DCPWriter, AsyncStager):
                     nbytes = len(raw)
                 else:
                     td = item.tensor_data
-                    tensor = planner.resolve_data(item).detach()
+                    assert td is not None  # DCP gives every tensor write item its chunk and size
+                    resolved = planner.resolve_data(item)
+                    if not isinstance(resolved, torch.Tensor):
+                        raise TypeError(f"StorageWriter: the tensor item {fqn!r} resolved to a "
+                                        f"{type(resolved).__name__}, not a tensor")
+                    tensor = resolved.detach()
                     offsets = tuple(int(o) for o in td.chunk.offsets)
                     leaf = Shard(tensor.reshape(tuple(td.chunk.sizes)), tuple(td.size), offsets=offsets)
                     items.setdefault(fqn, []).append((leaf, offsets))
@@ -692,7 +704,9 @@ class StorageWriter(_DCPWriter, AsyncStager):
         if busy:  # the cached buffers are being written by the earlier save: copy into new ones
             once = DefaultStager(options)
             try:
-                staged = _Staged(once.stage(state_dict))
+                copied = once.stage(state_dict)
+                assert isinstance(copied, dict)  # use_async_staging=False: the staged dict itself, never a Future
+                staged = _Staged(copied)
             finally:
                 once.close()
         else:

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp._flat_param import FlatParameter
 
 __all__ = ["ParamSlice", "FlatUnit", "fsdp1_units", "is_fsdp1", "module_buffers", "unmanaged_params"]
 
@@ -48,7 +51,7 @@ class ParamSlice:
 class FlatUnit:
     """One FSDP1 unit: its ``FlatParameter`` and the slice of every original parameter this rank holds."""
 
-    flat_param: nn.Parameter
+    flat_param: FlatParameter
     slices: list[ParamSlice]
     use_orig_params: bool
 
@@ -115,6 +118,7 @@ def fsdp1_units(model: nn.Module) -> list[FlatUnit]:
             fqn = _join(prefix, rel)
             if info.in_shard:
                 start, length, offset = info.intra_param_start_idx, info.numel_in_shard, info.offset_in_shard
+                assert start is not None and length is not None and offset is not None  # FSDP sets all three
             else:
                 start, length, offset = 0, 0, 0
             slices.append(ParamSlice(fqn, tuple(shape), int(start), int(length), int(offset), i, tuple(shared.get(fqn, ()))))

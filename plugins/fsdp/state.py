@@ -164,7 +164,11 @@ class FlatOptimizerState:
     # which optimizer state dict (by param object) holds a slice's state, and the slice's view of it
     @staticmethod
     def _param(u: FlatUnit, s: ParamSlice) -> Any:
-        return u.flat_param._params[s.index] if u.use_orig_params else u.flat_param
+        if not u.use_orig_params:
+            return u.flat_param
+        params = u.flat_param._params
+        assert params is not None  # FSDP keeps the original parameters with use_orig_params=True
+        return params[s.index]
 
     def _local_entries(self, units: list[FlatUnit]) -> dict[str, dict[str, _StateKey]]:
         """fqn -> {key: descriptor} for the parameters this rank holds elements of."""
@@ -174,7 +178,7 @@ class FlatOptimizerState:
                 st = self.optim.state.get(self._param(u, s))
                 if not st or (s.length == 0 and u.use_orig_params):
                     continue
-                desc = {}
+                desc: dict[str, _StateKey] = {}
                 for k, v in st.items():
                     if isinstance(v, torch.Tensor) and v.dim() == 0:
                         desc[k] = ("value", v.detach().clone().cpu())

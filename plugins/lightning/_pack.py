@@ -291,8 +291,7 @@ def write_pack(path: str, staged: str, options: dict | None, extra: dict | None 
     root = mem._strip_protocol(staged).rstrip("/")
     # listed in memory directly, not through the storage layer (whose faults are the user's storage's, not
     # this process's staging area's); the commit marker last, as it is written last; no writer record
-    d = ext.CheckpointDir(ext.open_storage(staged), staged)
-    marker, writer = (p.rsplit("/", 1)[-1] for p in (d.metadata_path, d.writer_path))
+    marker, writer = ext.CheckpointDir.MARKER_NAME, ext.CheckpointDir.WRITER_NAME
     names = sorted(p[len(root) + 1:] for p in mem.find(root) if p[len(root) + 1:] not in (marker, writer))
     if not mem.exists(f"{root}/{marker}"):
         raise RuntimeError(f"{staged!r} holds no committed checkpoint (no {marker})")
@@ -411,6 +410,8 @@ class _Pack:
                 out += chunk
             return bytes(out)
         with self._lock:
+            if self._f is None:
+                raise ValueError(f"{self.path!r}: the pack file is closed")
             self._f.seek(offset)
             return self._f.read(length)
 

@@ -36,7 +36,7 @@ from ._inflight import fspath, register, run_ended, run_started, unregister
 from ._pickles import pickled, refuse_pickles, unsafe_error
 from ._pointers import Pointer
 from ._reading import Reader, Solo, original_pl_load
-from ._tree import FRAMEWORK, TREE_KEY, global_step, join, split
+from ._tree import FRAMEWORK, TENSOR_TAG, TREE_KEY, global_step, join, split
 from ._versions import agree_pointer
 
 __all__ = ["install", "unickpt_io", "save_sharded", "load_sharded", "deepspeed_config", "is_unickpt_file",
@@ -76,20 +76,22 @@ def install() -> None:
 
     for cls in (ModelParallelStrategy, FSDPStrategy):
         if not getattr(cls.save_checkpoint, _MARK, False):
-            cls.save_checkpoint = _wrap_save(cls.save_checkpoint)
+            cls.save_checkpoint = _wrap_save(cls.save_checkpoint)  # type: ignore[method-assign]  # wrapped on purpose
         if not getattr(cls.load_checkpoint, _MARK, False):
-            cls.load_checkpoint = _wrap_load(cls.load_checkpoint)
+            cls.load_checkpoint = _wrap_load(cls.load_checkpoint)  # type: ignore[method-assign]  # wrapped on purpose
     if not getattr(DeepSpeedStrategy.setup, _MARK, False):
-        DeepSpeedStrategy.setup = _wrap_deepspeed_setup(DeepSpeedStrategy.setup)
+        DeepSpeedStrategy.setup = _wrap_deepspeed_setup(  # type: ignore[method-assign]  # wrapped on purpose
+            DeepSpeedStrategy.setup)
     _install_pl_load()
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
     if not getattr(_MultiProcessingLauncher.launch, _MARK, False):
-        _MultiProcessingLauncher.launch = _wrap_launch(_MultiProcessingLauncher.launch)
+        _MultiProcessingLauncher.launch = _wrap_launch(  # type: ignore[method-assign]  # wrapped on purpose
+            _MultiProcessingLauncher.launch)
     from lightning.pytorch import Trainer
 
     if not getattr(Trainer._run, _MARK, False):
-        Trainer._run = _wrap_run(Trainer._run)
+        Trainer._run = _wrap_run(Trainer._run)  # type: ignore[method-assign]  # wrapped on purpose
 
 
 def _wrap_run(original: Any) -> Any:
@@ -125,7 +127,7 @@ def _install_pl_load() -> None:
     if getattr(fn, _MARK, False):
         return
     original = original_pl_load()
-    cloud_io._unickpt_pl_load = _wrap_pl_load(original)
+    cloud_io._unickpt_pl_load = _wrap_pl_load(original)  # type: ignore[attr-defined]  # our name, set on purpose
     namespace: dict = {}
     exec(_TRAMPOLINE, {}, namespace)  # noqa: S102 - a fixed two-line trampoline
     fn.__code__ = namespace["_load"].__code__
@@ -243,7 +245,8 @@ def _full_dict_reads(io: Any, weights_only: bool | None) -> Any:
             return io.load_checkpoint(path, weights_only=kwargs.get("weights_only", weights_only))
         return torch.load(path, *args, **kwargs)
 
-    pl_fsdp._lazy_load, fabric_mp.torch = lazy_load, _TorchWithLoad(torch_load)
+    # replaced on purpose while the strategy reads (a module attribute and a module: typed as Lightning's)
+    pl_fsdp._lazy_load, fabric_mp.torch = lazy_load, _TorchWithLoad(torch_load)  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -293,13 +296,16 @@ def save_sharded(io: Any, strategy: Any, checkpoint: dict, filepath: Any, storag
     engine = ext.engine()
     step = global_step(checkpoint)
     state[TREE_KEY] = tree
-    target, created = None, False
+    target: tuple[int, str] | None = None
+    created = False
     if engine.rank == 0:  # P is a directory when the save returns, as with Lightning's own (its version counter asks)
         created = not storage.exists(path)
         storage.makedirs(_pointers.data_root(storage, path))
         version = io._version_for(storage, path)
         target = (version, _pointers.version_dir(storage, path, version))
-    version, vdir = engine.broadcast(target)
+    agreed = engine.broadcast(target)
+    assert agreed is not None  # group rank 0 set it above
+    version, vdir = agreed
     pointer = Pointer(_pointers.relative(path, vdir), route="sharded", global_step=step)
     try:
         handle = engine.save(vdir, state, async_save=io.async_save, storage_options=options, step=step,
@@ -322,7 +328,7 @@ def save_sharded(io: Any, strategy: Any, checkpoint: dict, filepath: Any, storag
         io._wait(path)
 
 
-def _drop_if_empty(storage: Any, path: str) -> None:
+def _drop_if_empty(storage: ext.StorageBackend, path: str) -> None:
     """Global rank 0, after the first save of ``P`` failed: remove the directory ``P`` it made, if it
     holds nothing (the failed version was removed), so that a listing shows no checkpoint that does
     not exist. A ``P`` holding anything is left alone."""
@@ -374,7 +380,14 @@ def load_sharded(io: Any, strategy: Any, checkpoint_path: Any, weights_only: boo
     found = [] if allow else pickled(state[TREE_KEY])
     if found:
         raise unsafe_error(path, found, saving=False)
-    return join(ext.Codec.decode(state[TREE_KEY], allow_pickle=allow, key=TREE_KEY), lambda tag: None)
+    tree = ext.Codec.decode(state[TREE_KEY], allow_pickle=allow, key=TREE_KEY)
+    return join(tree, functools.partial(_no_tensor, path))
+
+
+def _no_tensor(path: str, tag: dict) -> torch.Tensor:
+    """The ``tensor_for`` of :func:`join` for a sharded-route tree, which holds its tensors inline (no placeholder)."""
+    raise ValueError(f"{path!r}: damaged checkpoint: a tensor placeholder {tag.get(TENSOR_TAG)!r} in its "
+                     f"{TREE_KEY!r} tree, which holds its tensors inline")
 
 
 def _foreign(path: str, options: dict | None) -> str | None:
@@ -417,8 +430,9 @@ def load_foreign(io: Any, strategy: Any, path: str, options: dict | None) -> dic
         step = int(max(steps)) if steps else 0
     step, epochs = int(step), int(values.get("epoch") or 0)
     if ext.engine().rank == 0:
+        conversion = stats.conversion or {}
         log.info("unickpt.lightning: loaded %s, written by %s, at step %d (%d epochs): %s", path,
-                 stats.conversion["from"], step, epochs, stats.conversion)
+                 conversion.get("from"), step, epochs, conversion)
     import lightning
 
     return {"epoch": epochs, "global_step": step, "pytorch-lightning_version": lightning.__version__,

@@ -108,6 +108,7 @@ class SaveTracker:
     def _on_engine_error(self, error: BaseException) -> bool:
         """The engine found one of this plugin's saves failed (at its next save): count it; with
         ``on_error="warn"`` warn and report it handled."""
+        assert isinstance(error, EarlierSaveFailedError)  # what the engine (and _report) call it with
         error = self._named(error)
         self.failed_saves += 1
         self.last_error = error

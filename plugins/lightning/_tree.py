@@ -75,20 +75,20 @@ def split(checkpoint: Any, *, take_tensors: bool = True) -> tuple[Any, dict[str,
                 tag["requires_grad"] = True
             return tag
         if type(x) is collections.OrderedDict:
-            items = collections.OrderedDict((k, walk(v, path + (k,))) for k, v in x.items())
+            odict = collections.OrderedDict((k, walk(v, path + (k,))) for k, v in x.items())
             meta = getattr(x, "_metadata", None)
             if meta is None:
-                return items
-            return {_ODICT_TAG: {"items": items, "metadata": meta}}
+                return odict
+            return {_ODICT_TAG: {"items": odict, "metadata": meta}}
         if isinstance(x, dict):
-            items = {k: walk(v, path + (k,)) for k, v in x.items()}
-            return items if type(x) is dict else _rebuild_dict(x, items)
+            mapped = {k: walk(v, path + (k,)) for k, v in x.items()}
+            return mapped if type(x) is dict else _rebuild_dict(x, mapped)
         if isinstance(x, list):
-            items = [walk(v, path + (i,)) for i, v in enumerate(x)]
-            return items if type(x) is list else _same_type(x, items)
+            elems = [walk(v, path + (i,)) for i, v in enumerate(x)]
+            return elems if type(x) is list else _same_type(x, elems)
         if isinstance(x, tuple):
-            items = [walk(v, path + (i,)) for i, v in enumerate(x)]
-            return tuple(items) if type(x) is tuple else _same_type(x, items)
+            members = [walk(v, path + (i,)) for i, v in enumerate(x)]
+            return tuple(members) if type(x) is tuple else _same_type(x, members)
         return x
 
     return walk(checkpoint, ()), tensors
@@ -111,18 +111,18 @@ def join(tree: Any, tensor_for: Callable[[dict], torch.Tensor]) -> Any:
                 out = collections.OrderedDict((k, walk(v)) for k, v in body["items"].items())
                 out._metadata = body["metadata"]  # type: ignore[attr-defined]
                 return out
-            items = {k: walk(v) for k, v in x.items()}
+            mapped = {k: walk(v) for k, v in x.items()}
             if type(x) is dict:
-                return items
+                return mapped
             if type(x) is collections.OrderedDict:
-                return collections.OrderedDict(items)
-            return _rebuild_dict(x, items)
+                return collections.OrderedDict(mapped)
+            return _rebuild_dict(x, mapped)
         if isinstance(x, list):
-            items = [walk(v) for v in x]
-            return items if type(x) is list else _same_type(x, items)
+            elems = [walk(v) for v in x]
+            return elems if type(x) is list else _same_type(x, elems)
         if isinstance(x, tuple):
-            items = [walk(v) for v in x]
-            return tuple(items) if type(x) is tuple else _same_type(x, items)
+            members = [walk(v) for v in x]
+            return tuple(members) if type(x) is tuple else _same_type(x, members)
         return x
 
     return walk(tree)
@@ -134,7 +134,7 @@ def _rebuild_dict(original: dict, items: dict) -> dict:
     dict.update(out, items)
     if hasattr(original, "__dict__"):
         out.__dict__.update({k: v for k, v in vars(original).items()})
-    if isinstance(original, collections.defaultdict):
+    if isinstance(original, collections.defaultdict) and isinstance(out, collections.defaultdict):  # same class
         out.default_factory = original.default_factory
     return out
 

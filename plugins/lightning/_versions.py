@@ -35,7 +35,7 @@ def publish_version(path: str, version: int, pointer: Pointer, options: dict | N
     _pointers.write_pointer(storage, path, pointer)
     keep = {_pointers.resolve(other, p.tensors_from)
             for other in _pointers.siblings_linking_to(storage, path)
-            for p in [_pointers.read_pointer(storage, other)]}
+            for p in [_pointers.read_pointer(storage, other)] if p.tensors_from is not None}
     for v in _pointers.versions(storage, path):
         vdir = _pointers.version_dir(storage, path, v)
         if v < version and vdir not in keep:
@@ -56,8 +56,9 @@ def remove_pointer_checkpoint(storage: ext.StorageBackend, path: str) -> None:
     if not _pointers.siblings_linking_to(storage, path):
         storage.rm(_pointers.data_root(storage, path))
     else:
-        keep = {_pointers.resolve(o, _pointers.read_pointer(storage, o).tensors_from)
-                for o in _pointers.siblings_linking_to(storage, path)}
+        keep = {_pointers.resolve(o, p.tensors_from)
+                for o in _pointers.siblings_linking_to(storage, path)
+                for p in [_pointers.read_pointer(storage, o)] if p.tensors_from is not None}
         for v in _pointers.versions(storage, path):
             if _pointers.version_dir(storage, path, v) not in keep:
                 rm_version(storage, _pointers.version_dir(storage, path, v))

@@ -133,7 +133,7 @@ class UnickptCheckpointIO(SaveTracker, CheckpointIO):
         return state
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(**state)
+        type(self).__init__(self, **state)
 
     # -- helpers --------------------------------------------------------------------------------------
     def _options(self, storage_options: Any) -> dict | None:

@@ -67,7 +67,7 @@ def _full_dict(route: Any) -> str:
 _PACK_MAGIC = b"UNICKPT-LPACK-1\n"  # the first bytes of a pack (``_pack.MAGIC``; this module imports no Lightning)
 
 
-def locate(path: str, storage: Any) -> str | None:
+def locate(path: str, storage: ext.StorageBackend) -> str | None:
     """The checkpoint a Lightning pointer file ``path`` names (the one holding its tensors, for a link), or None
     (entry-point group ``unickpt.locators``). Raises StateMismatchError for a pack (a full-dict ``.ckpt`` of a
     DDP / single-device run: see :meth:`LightningLayout.source`)."""
@@ -97,6 +97,8 @@ def locate(path: str, storage: Any) -> str | None:
     if not isinstance(doc, dict) or doc.get("format") != "unickpt-lightning":
         return None
     rel = doc.get("tensors_from") or doc.get("checkpoint")
+    if not isinstance(rel, str):
+        return None  # a damaged pointer: like an unreadable one above
     parent = posixpath.dirname(path.rstrip("/"))
     return rel if not parent or "://" in rel or rel.startswith("/") else f"{parent}/{rel}"
 

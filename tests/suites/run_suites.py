@@ -29,6 +29,7 @@ The sources are fetched by the developer and never committed (see each runner's 
 Prints one row per suite: passed at baseline, passed with unickpt, and the tests that pass at baseline
 but not with unickpt. Exit status 1 when there is such a test (an accepted difference is listed by
 the runner in its ``ACCEPTED`` dict with its reason, and reported but not counted as a failure).
+A runner's own ``--mode both`` (``deepspeed.py``, ``megatron.py``) prints its comparison with :func:`compare_modes`.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ import importlib.util
 import json
 import os
 import sys
+from typing import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -66,6 +68,37 @@ def compare(runner_name: str, source: str | None) -> list[dict]:
                      "regressions": [t for t in lost if not any(t.endswith(a) or a in t for a in accepted)],
                      "accepted": {t: r for t in lost for a, r in accepted.items() if t.endswith(a) or a in t}})
     return rows
+
+
+def compare_modes(full: dict, accepted: dict[str, str],
+                  detail: Callable[[str | None, str], str]) -> tuple[dict[str, str], dict[str, str], int]:
+    """The ``--mode both`` report of a runner's ``main`` over its results ``full`` (``{"baseline": {suite:
+    counts}, "unickpt": {suite: counts}}``; counts with ``tests``, ``passed``, ``passed_tests``,
+    ``errors_by_test`` and maybe ``skip_reasons``): prints one table row per suite, then one line per test
+    that passes at baseline but not with unickpt, suite by suite and sorted (``accepted  `` or ``REGRESSION``,
+    the test id and ``detail(reason, error)``). ``accepted``: the runner's ``ACCEPTED`` (test id fragment ->
+    reason; the first fragment found in a test id gives its reason).
+
+    Returns ``(regressions, accepted differences, exit status)``: those tests not accepted, each with its
+    error with unickpt (the first error line, the skip reason or ``"not run"``), those accepted, each with
+    its reason (both in the order printed), and 1 when there is a regression or no test passed at baseline
+    (the suites did not run), else 0."""
+    print("\n| suite | tests | baseline passed | with unickpt passed |\n|---|---|---|---|")
+    lost: list[tuple[str, str | None, str]] = []
+    for name, b in full["baseline"].items():
+        u = full["unickpt"][name]
+        print(f"| {name} | {b['tests']} | {b['passed']} | {u['passed']} |")
+        lost += [(t, next((why for frag, why in accepted.items() if frag in t), None),
+                  u["errors_by_test"].get(t, u.get("skip_reasons", {}).get(t, "not run")))
+                 for t in sorted(set(b["passed_tests"]) - set(u["passed_tests"]))]
+    for t, why, error in lost:
+        print(f"{'accepted  ' if why else 'REGRESSION'} {t}: {detail(why, error)}")
+    regressions = {t: error for t, why, error in lost if why is None}
+    status = 1 if regressions else 0
+    if not any(b["passed"] for b in full["baseline"].values()):
+        print("no test passed at baseline: the suites did not run")
+        status = 1
+    return regressions, {t: why for t, why, _ in lost if why}, status
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,33 @@ def test_commit_then_committed_and_read_back(tmp_path):
     assert d.files(with_marker=False) == ["data/0_0.bin"]
 
 
+def test_read_extra_is_the_metadata_extra_without_the_tensor_table(tmp_path):
+    """The cheap read (DCP's commit of a generation asks only which generation it replaces)."""
+    import torch
+
+    path = str(tmp_path / "ck")
+    unickpt.save(path, {f"w{i}": torch.full((3,), float(i)) for i in range(5)})
+    d = CheckpointDir(LocalStorage(), path)
+    full = d.read_metadata()
+    assert d.read_extra() == full.extra
+    meta = CheckpointMetadata(tensors={}, state_tree={}, step=1, framework="test", extra={"dcp": {"generation": "g/1"}})
+    d.commit(meta)
+    assert d.read_extra() == {"dcp": {"generation": "g/1"}}
+    with pytest.raises(CheckpointNotFoundError, match="metadata.json is missing"):
+        CheckpointDir(LocalStorage(), str(tmp_path / "none")).read_extra()
+    doc = json.loads(d.metadata_bytes())
+    doc["extra"] = ["not", "an", "object"]
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(unickpt.errors.IntegrityError, match=r"'extra' is a list, expected an object"):
+        d.read_extra()
+    doc["format"] = "other"
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(unickpt.errors.FormatVersionError, match="format is 'other'"):
+        d.read_extra()
+
+
 def test_uncommit_leaves_an_incomplete_directory(tmp_path):
     storage = LocalStorage()
     d = _partial(storage, str(tmp_path / "c"))

@@ -102,24 +102,28 @@ def test_core_has_no_import_cycles_between_packages():
         return ".".join(parts[:2]) if len(parts) > 1 else m
 
     graph: dict[str, set[str]] = {}
-    for mod, path in CORE_MODULES.items():
-        for target_mod, names, _ in _imports(mod, path):
-            for target in _targets(target_mod, names, CORE_MODULES):
-                if package(target) != package(mod):
-                    graph.setdefault(package(mod), set()).add(package(target))
+    for mod, targets in _module_graph(CORE_MODULES).items():
+        graph.setdefault(package(mod), set()).update(package(t) for t in targets if package(t) != package(mod))
     cycle = _find_cycle(graph)
     assert cycle is None, " -> ".join(cycle or [])
 
 
+def _module_graph(mods: dict[str, str]) -> dict[str, set[str]]:
+    """``{module: modules of mods it imports}``, every import statement counted (also those inside
+    functions); a module importing its own package is not an edge. A package ``__init__`` that names
+    its submodules in ``lazy_getattr`` strings does not import them."""
+    graph: dict[str, set[str]] = {}
+    for mod, path in mods.items():
+        for target_mod, names, _ in _imports(mod, path):
+            for target in _targets(target_mod, names, mods):
+                if target != mod and not mod.startswith(target + "."):
+                    graph.setdefault(mod, set()).add(target)
+    return graph
+
+
 def test_core_has_no_module_import_cycles():
     """Between modules too (imports inside functions included): data flows one way."""
-    graph: dict[str, set[str]] = {}
-    for mod, path in CORE_MODULES.items():
-        for target_mod, names, _ in _imports(mod, path):
-            for target in _targets(target_mod, names, CORE_MODULES):
-                if target != mod and not mod.startswith(target + "."):  # a module and its own package
-                    graph.setdefault(mod, set()).add(target)
-    cycle = _find_cycle(graph)
+    cycle = _find_cycle(_module_graph(CORE_MODULES))
     assert cycle is None, " -> ".join(cycle or [])
 
 
@@ -187,17 +191,8 @@ def test_plugins_use_only_the_public_names_and_ext(plugin):
 
 
 def _plugin_graph(plugin_dir: str, package: str) -> dict[str, set[str]]:
-    """``{module: modules of the same plugin it imports}``, every import statement counted (also those
-    inside functions); a module importing its own package is not an edge (as for the core). A package
-    ``__init__`` that names its submodules in ``lazy_getattr`` strings does not import them."""
-    mods = _modules(plugin_dir, package)
-    graph: dict[str, set[str]] = {}
-    for mod, path in mods.items():
-        for target_mod, names, _ in _imports(mod, path):
-            for target in _targets(target_mod, names, mods):
-                if target != mod and not mod.startswith(target + "."):
-                    graph.setdefault(mod, set()).add(target)
-    return graph
+    """``{module: modules of the same plugin it imports}`` (:func:`_module_graph`)."""
+    return _module_graph(_modules(plugin_dir, package))
 
 
 @pytest.mark.parametrize("plugin", PLUGIN_NAMES)

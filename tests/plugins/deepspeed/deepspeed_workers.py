@@ -391,24 +391,40 @@ def phase_tiers(out: str) -> None:
     print(f"OK tiers ws={dist.get_world_size()}", flush=True)
 
 
-if __name__ == "__main__":
+def run_phases(phases: dict, flags: dict | None = None) -> None:
+    """A worker script's ``__main__`` under torchrun, called ``SCRIPT PHASE OUT [CONFIGS [FLAG ...]]``
+    (``CONFIGS``: names, comma-separated): starts gloo, calls ``phases[PHASE](OUT, names)`` (nothing for
+    another PHASE), then ``flags[FLAG](OUT)`` for each FLAG of ``flags`` on the command line (in ``flags``'
+    order), and ends the process group after a barrier."""
     phase, out = sys.argv[1], sys.argv[2]
     names = sys.argv[3].split(",") if len(sys.argv) > 3 and sys.argv[3] else []
     deepspeed.init_distributed(dist_backend="gloo")
-    if phase == "save":
-        phase_save(out, names)
-        if S3:
-            phase_remote_save(out)
-    elif phase == "load":
-        phase_load(out, names)
-        if S3:
-            phase_remote_load(out)
-    if "cross" in sys.argv[4:]:
-        phase_cross(out)
-    if "errors" in sys.argv[4:]:
-        phase_errors(out)
-        phase_replace(out)
-    if phase == "tiers":
-        phase_tiers(out)
+    if phase in phases:
+        phases[phase](out, names)
+    for flag, fn in (flags or {}).items():
+        if flag in sys.argv[4:]:
+            fn(out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _save_all(out: str, names: list[str]) -> None:
+    phase_save(out, names)
+    if S3:
+        phase_remote_save(out)
+
+
+def _load_all(out: str, names: list[str]) -> None:
+    phase_load(out, names)
+    if S3:
+        phase_remote_load(out)
+
+
+def _errors_and_replace(out: str) -> None:
+    phase_errors(out)
+    phase_replace(out)
+
+
+if __name__ == "__main__":
+    run_phases({"save": _save_all, "load": _load_all, "tiers": lambda out, _: phase_tiers(out)},
+               {"cross": phase_cross, "errors": _errors_and_replace})

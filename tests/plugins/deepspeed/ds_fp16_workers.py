@@ -20,7 +20,6 @@ that probe to True: torch runs fp16 on any CPU, only slower.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -214,16 +213,10 @@ def phase_refuse() -> None:
     print(f"OK refuse ws={dist.get_world_size()}", flush=True)
 
 
+def _load_and_cross(out: str, names: list[str]) -> None:
+    phase_load(out, names)
+    phase_cross(out)
+
+
 if __name__ == "__main__":
-    phase, out = sys.argv[1], sys.argv[2]
-    names = sys.argv[3].split(",") if len(sys.argv) > 3 and sys.argv[3] else []
-    deepspeed.init_distributed(dist_backend="gloo")
-    if phase == "save":
-        phase_save(out, names)
-    elif phase == "load":
-        phase_load(out, names)
-        phase_cross(out)
-    elif phase == "refuse":
-        phase_refuse()
-    dist.barrier()
-    dist.destroy_process_group()
+    W.run_phases({"save": phase_save, "load": _load_and_cross, "refuse": lambda out, _: phase_refuse()})

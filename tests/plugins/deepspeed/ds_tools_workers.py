@@ -26,10 +26,11 @@ from torch import nn
 
 import deepspeed  # noqa: E402  (the unickpt startup hook patches it here)
 from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal  # bound at import, as DeepSpeed's tests do
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from deepspeed.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
                                           get_fp32_state_dict_from_zero_checkpoint,
                                           load_state_dict_from_zero_checkpoint)
+
+from ds_gather import gather_params  # noqa: E402  (this script's folder is on sys.path under torchrun)
 
 CONFIGS = {  # name -> (ZeRO stage, bf16, tied weights)
     "z2bf16": (2, True, True),
@@ -93,21 +94,10 @@ def train_step(engine, step: int) -> None:
 
 
 def gather(engine) -> dict:
-    """The full state, by DeepSpeed's own APIs: ``lp.<name>`` module weights, ``fp32.<name>`` /
-    ``exp_avg.<name>`` / ``exp_avg_sq.<name>`` for trainable parameters (collective under ZeRO-3)."""
-    if hasattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state"):
-        engine.optimizer._lazy_init_hp_params_optimizer_state()  # links optimizer state created by a load
-    out = {}
-    for name, p in engine.module.named_parameters():
-        if engine.zero_optimization_stage() == 3:
-            with deepspeed.zero.GatheredParameters([p]):
-                out[f"lp.{name}"] = p.data.clone()
-        else:
-            out[f"lp.{name}"] = p.data.clone()
-        if p.requires_grad:
-            out[f"fp32.{name}"] = safe_get_full_fp32_param(p).clone()
-            for key in ("exp_avg", "exp_avg_sq"):
-                out[f"{key}.{name}"] = safe_get_full_optimizer_state(p, key).clone()
+    """The full state, by DeepSpeed's own APIs: :func:`ds_gather.gather_params` (``lp.<name>`` module weights,
+    ``fp32.<name>`` / ``exp_avg.<name>`` / ``exp_avg_sq.<name>`` for trainable parameters; collective under
+    ZeRO-3) and ``buffer.scale``."""
+    out = gather_params(engine)
     out["buffer.scale"] = engine.module.scale.clone()
     return out
 
