@@ -141,7 +141,8 @@ class TensorMeta:
         """The stored chunks' geometry (boxes or flat ranges), without reading anything."""
         if self.split is None:
             return [c.spec for c in self.explicit]
-        return [self.split.part(self.shape, k) for k in range(self.split.nonempty(self.shape))]  # type: ignore[misc]
+        parts = (self.split.part(self.shape, k) for k in range(self.split.nonempty(self.shape)))
+        return [p for p in parts if p is not None]  # the first nonempty() parts are never empty
 
     @property
     def nbytes(self) -> int:
@@ -271,8 +272,9 @@ class CheckpointMetadata:
                              slots=self.index.get("slots"))
 
         def resolve(t: TensorMeta) -> tuple[ChunkMeta, ...]:
+            assert t.split is not None, "resolve is set only on split tensors"
             return tuple(split_chunk(t, k, reader.records(k, [t.slot])[t.slot], self.index)
-                         for k in range(t.split.nonempty(t.shape)))  # type: ignore[union-attr]
+                         for k in range(t.split.nonempty(t.shape)))
 
         for fqn, t in self.tensors.items():
             if t.split is not None:

@@ -190,7 +190,8 @@ class Tiers:
     # -- memory saves ----------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
         """Whether ``step`` is a memory step (``step % memory_every == 0``)."""
-        return self.memory and step % int(self.options.memory_every) == 0  # type: ignore[arg-type]
+        every = self.options.memory_every
+        return bool(self.memory) and every is not None and step % int(every) == 0
 
     def memory_bytes(self) -> dict:
         """The memory this rank's tiers hold now, bytes: ``own`` (its tier 0 copies), ``peer`` (the

@@ -165,7 +165,7 @@ def _count(state: Any) -> tuple[int, int, int]:
         parts = [_count(v) for v in state]
     else:
         return 0, 0, 1
-    return tuple(sum(p[i] for p in parts) for i in range(3))  # type: ignore[return-value]
+    return sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts)
 
 
 def import_checkpoint(src: str, out: str, *, source: str | None = None, allow_pickle: bool = False,

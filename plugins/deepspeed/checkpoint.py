@@ -111,26 +111,32 @@ def _info(engine: Any, layout: ZeroLayout) -> dict:
             **model_record(engine.module)}  # buffer_names, shared_params: for DeepSpeed's zero_to_fp32 (.tools)
 
 
-def pipeline_unsupported_reason(engine: Any) -> str | None:
-    """Why unickpt cannot checkpoint this pipeline engine, or None (also for engines without a pipeline).
+def model_parallel_unsupported_reason(engine: Any) -> str | None:
+    """Why unickpt cannot checkpoint this engine's model parallelism, or None (no model-parallel axis).
 
     Pipeline stages are a layout like any other: ``PipelineModule`` names each stage's parameters by
     global layer index (``<idx>.weight``, ``runtime/pipe/module.py`` ``_build``), unique across stages,
     and tied layers (``tied_modules.<key>.*``) are replicas saved by the first stage that holds them.
-    A topology with a model-parallel axis is refused: its slices would store different tensor-parallel
-    shards under one name.
+    A model-parallel (tensor-parallel) axis is refused: a pipeline topology's ``num_mp``, DeepSpeed's
+    AutoTP (``"tensor_parallel": {"autotp_size": N}``) or an ``mpu`` given to ``deepspeed.initialize``
+    (``engine.mp_world_size > 1``) give each model-parallel rank a different shard of a parameter under
+    one name, with no layout that says where each shard lies in general; saved as one tensor they would
+    be taken for replicas.
     """
-    if not _is_pipeline(engine):
-        return None
-    mp = int(engine.module.mpu().get_slice_parallel_world_size())
+    if _is_pipeline(engine):
+        mp = int(engine.module.mpu().get_slice_parallel_world_size())
+        where = "the PipelineModule's topology"
+    else:
+        mp = int(getattr(engine, "mp_world_size", 1) or 1)
+        where = "AutoTP's autotp_size or the mpu given to deepspeed.initialize"
     if mp > 1:
-        return (f"unickpt.deepspeed: pipeline engines with a model-parallel axis (size {mp} in the "
-                "PipelineModule's topology) are not supported; remove the \"unickpt\" block from the DeepSpeed config")
+        return (f"unickpt.deepspeed: model (tensor) parallelism is not supported (model-parallel size {mp}, "
+                f"from {where}); remove the \"unickpt\" block from the DeepSpeed config")
     return None
 
 
 def _check_supported(engine: Any) -> None:
-    reason = pipeline_unsupported_reason(engine)
+    reason = model_parallel_unsupported_reason(engine)
     if reason is not None:
         raise NotImplementedError(reason)
     if engine.zero_nvme_offload_optimizer():
@@ -167,7 +173,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
 
     Raises:
         ValueError: empty ``save_dir``.
-        NotImplementedError: pipelines with a model-parallel axis, NVMe offload, unknown optimizer wrappers.
+        NotImplementedError: a model-parallel axis (AutoTP, an mpu, a pipeline topology), NVMe offload, unknown
+            optimizer wrappers.
         AssertionError: ``checkpoint.tag_validation`` is ``FAIL`` and the ranks' tags differ (DeepSpeed's).
         SaveFailedError: a synchronous save failed on some rank (names every rank and why); an earlier
             asynchronous save's failure is raised here too.
@@ -388,7 +395,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
             or another optimizer's state (checked before anything is loaded: the engine is then left as it
             was); pipeline engines: raised on every rank when any stage's layers differ (names the ranks).
         AssertionError: ``checkpoint.tag_validation`` is ``FAIL`` and the ranks' tags differ (DeepSpeed's).
-        NotImplementedError: ``custom_load_fn``, pipelines with a model-parallel axis, NVMe offload.
+        NotImplementedError: ``custom_load_fn``, a model-parallel axis, NVMe offload.
     """
     ckpt = engine.checkpoint_engine
     cfg = ckpt.config

@@ -17,6 +17,7 @@ a model-parallel axis, refused by ``deepspeed.initialize`` (``OK pipe model-para
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import sys
@@ -187,8 +188,10 @@ def phase_errors(out: str, save_layout: str) -> None:
 
 
 def phase_model_parallel() -> None:
-    """A pipeline topology with a model-parallel axis (1 stage x 2 model-parallel slices): refused by
-    ``deepspeed.initialize`` (NotImplementedError naming it), not after training."""
+    """A model-parallel axis is refused by ``deepspeed.initialize`` (NotImplementedError naming it), not
+    after training: a pipeline topology with 2 model-parallel slices (1 stage), and DeepSpeed's AutoTP
+    (``tensor_parallel.autotp_size`` 2, a column-parallel ``lm_head``, ZeRO-1), whose ranks hold
+    different shards of ``lm_head.weight`` under one name. Without the block, AutoTP initializes."""
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     torch.manual_seed(0)
@@ -197,15 +200,28 @@ def phase_model_parallel() -> None:
                            loss_fn=lambda out, y: (out - y).pow(2).mean())
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}, "unickpt": {"enabled": True}}
+    _expect_refused(model, cfg, "from the PipelineModule's topology")
+
+    autotp = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": 1},
+              "tensor_parallel": {"autotp_size": 2, "partition_config": {"use_default_specs": False, "layer_specs": [
+                  {"patterns": [r".*lm_head\.weight$"], "partition_type": "column", "gather_output": True}]}}}
+    e, *_ = deepspeed.initialize(model=nn.Sequential(collections.OrderedDict(lm_head=nn.Linear(6, 10))), config=autotp)
+    assert e.mp_world_size == 2 and e.module.lm_head.weight.shape[0] == 5, (e.mp_world_size, e.module)
+    e.destroy()
+    _expect_refused(nn.Sequential(collections.OrderedDict(lm_head=nn.Linear(6, 10))), {**autotp, "unickpt": {"enabled": True}},
+                    "from AutoTP's autotp_size or the mpu given to deepspeed.initialize")
+    print("OK pipe model-parallel refused", flush=True)
+
+
+def _expect_refused(model: nn.Module, cfg: dict, where: str) -> None:
     try:
         deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
     except NotImplementedError as err:
-        assert str(err) == ("unickpt.deepspeed: pipeline engines with a model-parallel axis (size 2 in the "
-                            "PipelineModule's topology) are not supported; remove the \"unickpt\" block from the "
-                            "DeepSpeed config"), err
+        assert str(err) == ("unickpt.deepspeed: model (tensor) parallelism is not supported (model-parallel size 2, "
+                            f'{where}); remove the "unickpt" block from the DeepSpeed config'), err
     else:
-        raise AssertionError("a pipeline with a model-parallel axis was not refused at deepspeed.initialize")
-    print("OK pipe model-parallel refused", flush=True)
+        raise AssertionError(f"a model-parallel axis ({where}) was not refused at deepspeed.initialize")
 
 
 class _Records(logging.Handler):

@@ -20,6 +20,8 @@ What it changes in every rank's process, before the tests import anything (no te
 - megatron's persistent checkpoint worker (a ``spawn``-ed process) runs through a function of this
   module, so that it gets the same stubs;
 - the harness's test-data download (``ensure_test_data``, unused by these tests) is not attempted;
+- after each test, once model parallelism is torn down, the process groups it left are destroyed
+  (megatron forgets them without destroying them; see ``_destroy_orphaned_groups``), in both modes;
 - ``UNICKPT_MCORE_MODE=unickpt``: unickpt is made megatron-core's default sharded save strategy the way a
   user does it, ``unickpt.megatron.launch.install()``, called when the first test starts: megatron's
   ``dist_checkpointing/conftest.py`` replaces ``get_default_save_sharded_strategy`` for the session
@@ -173,6 +175,42 @@ def _unickpt_default_save_strategy():
             UnickptSaveShardedStrategy._suite_counted = True
         launch.install()
     yield
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    _destroy_orphaned_groups()
+
+
+def _destroy_orphaned_groups() -> None:
+    """After a test's own teardown (both modes): destroy the process groups nothing uses any more.
+
+    megatron's ``destroy_model_parallel()`` forgets its groups without destroying them, and every gloo
+    group keeps its threads and sockets, so each rank grew by ~1000 threads over the suite (load in the
+    thousands on 2 cores, tests timing out at random). Only when model parallelism is no longer set up
+    (a fixture of a wider scope may keep it for the next test): every group but the default one and the
+    private groups of unickpt's engine of the default group is destroyed; destroying a group an engine
+    of unickpt was made for closes that engine first (its teardown guard), as in a user's program."""
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    world = dist.group.WORLD
+    keep = {world}
+    engine_mod = sys.modules.get("unickpt.engine")
+    if engine_mod is not None:
+        for key, engine in list(engine_mod._ENGINES.items()):
+            if key is world or key is None:
+                keep |= {g for g in (engine.comm.plan_group, engine.comm.background_group) if g is not None}
+    for group in [g for g in list(c10d._world.pg_map) if g not in keep]:
+        try:
+            dist.destroy_process_group(group)
+        except (ValueError, RuntimeError):  # already gone (an engine's private group, closed with it)
+            pass
 
 
 def pytest_runtest_logstart(nodeid, location):
