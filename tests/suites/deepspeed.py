@@ -88,6 +88,10 @@ ACCEPTED: dict[str, str] = {
     "test_zero_optimizer.py::TestZeROCheckpointFrozenWeights::test_save_exclude_custom_frozen_weights[":
         _MODEL_STATES,
     # ids: [load_optim-elastic_load-elastic_save]; errors at setup under pytest >= 8.4 in both modes (below)
+    "test_autotp_uc_checkpoint.py::TestRealCheckpointUniversalConversionTPxPP::test":
+        "a pipeline with a model-parallel axis (TP 2 x PP 2): refused at deepspeed.initialize by unickpt (its "
+        "slices hold different shards under one name); the test then torch.loads DeepSpeed's own "
+        "mp_rank_*_model_states.pt and runs ds_to_universal on that native checkpoint",
     "test_zero_optimizer.py::TestZeROElasticCheckpoint::test_elastic_checkpoint_change_dp[True-":
         "expects DeepSpeed's ZeRORuntimeException when ZeRO-2 optimizer states saved at DP 4 load at DP 2; "
         "unickpt reshards them",
@@ -96,6 +100,10 @@ ACCEPTED: dict[str, str] = {
 KNOWN_NOT_PASSING_AT_BASELINE = {
     "test_sparse.py": "deepspeed 0.19.8 refuses the removed 'sparse_gradients' option these tests set",
     "test_pipeline.py::TestPipelineCheckpoint::test_checkpoint_pipe_engine[1]": "fp16: not supported on the CPU",
+    "test_moe_checkpoint.py": "fp16 (every test): 'Type fp16 is not supported on your device' on the CPU",
+    "test_autotp_uc_checkpoint.py::TestUneven": "AutoTP tests of the 0.19.6 sources fail on deepspeed 0.19.8 in "
+                                                "both modes: AttributeError: 'str' object has no attribute "
+                                                "'num_kv_heads'",
     "DistributedFixture": "tests using DeepSpeed's DistributedFixture (test_elastic_checkpoint_change_dp, "
                           "TestZeROPPLoadCheckpoint, every test_universal_checkpoint.py test) error at setup: "
                           "'fixture ... not found' (it marks classes with a private pytest attribute that "

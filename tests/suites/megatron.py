@@ -91,6 +91,13 @@ ACCEPTED: dict[str, str] = {  # test id fragment -> why it cannot pass with unic
                           "the unickpt/ folder is compared as a file"),
     "test_global_metadata_reuse.py::": "asserts torch_dist's internal classes: the save and load strategies' "
         "cached_global_metadata / validated_loaded_metadata_reuse and torch DCP's _DistWrapper.reduce_scatter",
+    # by design (docs/megatron.md): unickpt's metadata and objects are pickle-free, and a load never casts
+    "test_serialization.py::TestSerialization::test_sharded_object_serialization":
+        "saves an io.BytesIO in a ShardedObject, which has no tagged-JSON form: unickpt refuses the save unless "
+        "pickles are allowed (UnickptSaveShardedStrategy(allow_pickle=True)); torch_dist pickles it silently",
+    "test_serialization.py::TestSerialization::test_tensor_shape_mismatch":
+        "loads int64 'keyB' (saved) into float32 tensors with allow_shape_mismatch: unickpt raises a "
+        "CheckpointingException naming key, dtypes and shapes instead of casting; torch_dist casts",
 }
 
 
@@ -312,7 +319,10 @@ def run(mode: str, source: str | None = None, suites: list[str] | None = None) -
     check_source(source)
     results = {name: run_suite(name, mode, source) for name in suites or SUITES}
     if mode == "unickpt" and not sum(r["saves"] for r in results.values()):
-        raise RuntimeError("unickpt mode saved nothing through unickpt: unickpt.megatron.launch.install() did not take")
+        raise RuntimeError("unickpt mode saved nothing through unickpt: unickpt.megatron.launch.install() did not "
+                           "take, or no test run reached a save through megatron's default strategy (the "
+                           "megatron-parallel-models tests build their strategies themselves: run it with "
+                           "megatron-dist-ckpt)")
     return results
 
 
