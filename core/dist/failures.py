@@ -1,11 +1,11 @@
 """Typed errors that reach every rank: a rank's failure is gathered and raised on all of them.
 
 A collective operation (a load, a DCP migration) must not leave some ranks waiting on a peer that
-has failed: every rank joins one gather of its outcome (:func:`agree`), and where any rank failed
+has failed: every rank joins one gather of its outcome (:func:`gather_load_outcomes`), and where any rank failed
 every rank raises. The failing rank raises its own exception; the others raise the same typed
 unickpt error when the failing ranks agree on one (``StateMismatchError`` stays a
 ``StateMismatchError`` everywhere), else :class:`~unickpt.errors.LoadFailedError` naming every
-failed rank with its traceback. Cost: one ``all_gather_object`` (2 collectives) per :func:`agree`.
+failed rank with its traceback. Cost: one ``all_gather_object`` (2 collectives) per :func:`gather_load_outcomes`.
 
 A rank that dies (or leaves the process group) cannot take part: the survivors' collective breaks
 (gloo: "Connection reset by peer"), and each survivor raises :func:`lost_contact`'s error, which names
@@ -23,7 +23,7 @@ from ..errors import (CheckpointNotFoundError, FormatVersionError, IntegrityErro
 if TYPE_CHECKING:
     from .comm import Comm
 
-__all__ = ["describe", "raise_failures", "agree", "lost_contact"]
+__all__ = ["describe", "raise_failures", "gather_load_outcomes", "lost_contact"]
 
 _SAME_TYPE_ERRORS = {cls.__name__: cls for cls in (StateMismatchError, IntegrityError, CheckpointNotFoundError,
                                                      FormatVersionError, PerRankReshardError, UnsafeObjectError,

@@ -210,11 +210,7 @@ class CheckpointMetadata:
         as :meth:`from_json` for another format, an unknown version or invalid JSON, and IntegrityError
         when ``extra`` is not a JSON object."""
         doc, _ = _checked_doc(text, source)
-        extra = doc.get("extra", {})
-        if not isinstance(extra, dict):
-            raise IntegrityError(f"{source}: malformed metadata ('extra' is a {type(extra).__name__}, expected "
-                                 "an object); the file is corrupt")
-        return extra
+        return _extra(doc, source)
 
     @classmethod
     def _from_doc(cls, doc: dict, version: int, source: str) -> "CheckpointMetadata":
@@ -260,7 +256,7 @@ class CheckpointMetadata:
             framework=doc.get("framework"),
             run_id=doc.get("run_id"),
             created_unix_s=doc.get("created_unix_s", 0.0),
-            extra=doc.get("extra", {}),
+            extra=_extra(doc, source),
             format_version=version,
             index=index,
         )
@@ -308,6 +304,15 @@ def _tensor_json(t: TensorMeta) -> dict:
 def spec_order(spec: ChunkSpec) -> tuple:
     """Sort key of a tensor's chunks in ``metadata.json``: boxes by offsets, then flat ranges by start."""
     return (0, spec.offsets, spec.lengths) if isinstance(spec, Box) else (1, (spec.start,), (spec.length,))
+
+
+def _extra(doc: dict, source: str) -> dict:
+    """``doc["extra"]`` (``{}`` when absent); IntegrityError naming ``source`` when it is not an object."""
+    extra = doc.get("extra", {})
+    if not isinstance(extra, dict):
+        raise IntegrityError(f"{source}: malformed metadata ('extra' is a {type(extra).__name__}, expected "
+                             "an object); the file is corrupt")
+    return extra
 
 
 def _checked_doc(text: str | bytes, source: str) -> tuple[dict, int]:

@@ -1,6 +1,6 @@
 """The save pipeline on one rank: stage -> serialize/checksum -> write -> (upload), overlapping per piece.
 
-It receives a save whose plan is agreed (:mod:`.agree`) and runs it; it never plans and never calls
+It receives a save whose plan is agreed (:mod:`.plan_agreement`) and runs it; it never plans and never calls
 back into the engine. Threads (per engine; saves are served in the order they were called):
 
 1. **save thread** (the caller of :meth:`SavePipeline.begin` and :meth:`SavePipeline.stage`, owned

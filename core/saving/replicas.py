@@ -21,7 +21,7 @@ experts numbered from 0 on every rank saved one rank's experts and loaded wrong 
   bytes (``SaveStats.replica_check_s``; benchmarks/replica_check.py measures it against the stall).
   The pieces a rank holds are folded per *holder set* (the ranks that hold a chunk) into one 8-byte
   ``xxh3_64`` value each, and up to :data:`SLOTS` such values travel in the plan agreement's
-  signature ``all_gather`` (:mod:`.agree`): no collective of its own. Where two holders' values
+  signature ``all_gather`` (:mod:`.plan_agreement`): no collective of its own. Where two holders' values
   differ, the sampled chunks are compared and named as below (4 collectives, then every rank
   raises); where a rank is in more than :data:`SLOTS` holder sets, or ranks expected different plans
   (a layout changed on some ranks only), the sample is compared that way instead (2 collectives).

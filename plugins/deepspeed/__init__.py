@@ -12,7 +12,7 @@ DeepSpeed's offline ``ds_to_universal`` conversion. Without the block DeepSpeed 
 
 Activation needs no code: unickpt's startup hook calls :func:`unickpt.deepspeed._activate.install` after
 ``import deepspeed`` (``UNICKPT_DEEPSPEED=0`` turns this off). Modules: :mod:`._activate` (the patch),
-:mod:`.config` (the JSON block), :mod:`.engine` (the checkpoint engine, async commit),
+:mod:`.config` (the JSON block), :mod:`.checkpoint_engine` (the checkpoint engine, async commit),
 :mod:`.zero_state` (ZeRO partitions -> flat-range shards), :mod:`.checkpoint` (save / load). See
 ``docs/deepspeed.md``.
 """
@@ -25,7 +25,7 @@ __all__ = ["install", "UnickptConfig", "UnickptCheckpointEngine", "save_checkpoi
 _LAZY = {
     "install": "._activate",
     "UnickptConfig": ".config",
-    "UnickptCheckpointEngine": ".engine",
+    "UnickptCheckpointEngine": ".checkpoint_engine",
     "save_checkpoint": ".checkpoint",
     "load_checkpoint": ".checkpoint",
 }

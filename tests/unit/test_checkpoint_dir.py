@@ -68,8 +68,10 @@ def test_read_extra_is_the_metadata_extra_without_the_tensor_table(tmp_path):
     doc["extra"] = ["not", "an", "object"]
     with open(os.path.join(path, "metadata.json"), "w") as f:
         json.dump(doc, f)
-    with pytest.raises(unickpt.errors.IntegrityError, match=r"'extra' is a list, expected an object"):
-        d.read_extra()
+    for read in (d.read_extra, d.read_metadata):  # the cheap read and the full one refuse it alike
+        with pytest.raises(unickpt.errors.IntegrityError, match=r"metadata.json: malformed metadata \('extra' is a "
+                                                                 r"list, expected an object\)"):
+            read()
     doc["format"] = "other"
     with open(os.path.join(path, "metadata.json"), "w") as f:
         json.dump(doc, f)
