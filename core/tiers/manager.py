@@ -23,7 +23,8 @@ What runs where (every rank of the checkpointer's group):
   copy into the staging ring, as for a persistent save); the drain threads checksum and write it to
   ``own/rank_<r>_of_<W>/step_<N>/`` in this node's memory directory and the commit thread writes its
   ``metadata.json``, with no collective; then the peer send thread copies it to the holder.
-- **recovery** (:meth:`Tiers.recover`, caller's thread, collective): :mod:`.recovery`.
+- **recovery** (:meth:`Tiers.recover`, caller's thread, collective): :mod:`.recovery`, then **1 barrier** once each
+  node's lowest rank has removed the copies newer than the restored step.
 """
 from __future__ import annotations
 
@@ -301,7 +302,7 @@ class Tiers:
         copy (a plugin's template from the copy's metadata); the result's ``state`` is what was
         loaded. Returns None (the caller loads from storage, then calls :meth:`forget_newer`) when
         there is none. After a recovery every copy newer than the restored step is removed (another
-        future). Raises StateMismatchError / UnsafeObjectError (every rank) when the state does not fit."""
+        future) by each node's lowest rank, and every rank waits for that (one barrier). Raises StateMismatchError / UnsafeObjectError (every rank) when the state does not fit."""
         if not self.memory:
             return None
         assert self.loader is not None
@@ -323,6 +324,13 @@ class Tiers:
         if result is not None and self.placement.leader(self.rank) == self.rank:
             self.layout.remove_newer(self.world_size, result.step)
             self.layout.remove_other_layouts(self.world_size)
+        if result is not None and self.world_size > 1:
+            # 1 collective: no rank goes on before its node's leader has removed them; else a rank whose
+            # stale copy of step restored + 1 is still there takes it for this run's save of that step,
+            # and the leader removes it a moment later (seen in tests/tiers/test_tiers_kill_loop.py)
+            import torch.distributed as dist
+
+            dist.barrier(group=self.comm.plan_group)
         if result is not None:
             result.state = loaded.get("state")
             with self._lock:
