@@ -321,17 +321,11 @@ class Tiers:
         result = recovery.run(persisted, only)
         # copies newer than the restored step are another future: removed once a step is restored
         # (here, or by forget_newer after the caller's load from storage succeeded: never before)
-        if result is not None and self.placement.leader(self.rank) == self.rank:
-            self.layout.remove_newer(self.world_size, result.step)
-            self.layout.remove_other_layouts(self.world_size)
-        if result is not None and self.world_size > 1:
-            # 1 collective: no rank goes on before its node's leader has removed them; else a rank whose
-            # stale copy of step restored + 1 is still there takes it for this run's save of that step,
-            # and the leader removes it a moment later (seen in tests/tiers/test_tiers_kill_loop.py)
-            import torch.distributed as dist
-
-            dist.barrier(group=self.comm.plan_group)
         if result is not None:
+            if self.placement.leader(self.rank) == self.rank:
+                self.layout.remove_newer(self.world_size, result.step)
+                self.layout.remove_other_layouts(self.world_size)
+            _wait_for_node_leaders(self.comm)
             result.state = loaded.get("state")
             with self._lock:
                 self._own_newest = max(self._own_newest, result.step)  # the restored step is committed here
@@ -386,3 +380,14 @@ def finish_all() -> None:
             tiers.close(timeout=30.0)
         except Exception as e:  # pragma: no cover - teardown goes on
             log.error("unickpt: closing the memory tiers failed: %s", e)
+
+
+def _wait_for_node_leaders(comm: Comm) -> None:
+    """After a recovery (1 collective): no rank goes on before its node's lowest rank has removed the
+    copies newer than the restored step. Else a rank whose stale copy of the next step is still there
+    takes it for this run's save of that step, and the leader removes it a moment later (seen in
+    tests/tiers/test_tiers_kill_loop.py: a rank's memory lost the job's last common step)."""
+    import torch.distributed as dist
+
+    if comm.world_size > 1:
+        dist.barrier(group=comm.plan_group)
