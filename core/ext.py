@@ -226,7 +226,8 @@ class TiersHandle:
         return None if result is None else (result.step, result.state, result.stats)
 
     def forget_newer(self, step: int) -> None:
-        """After loading ``step`` from storage: drop this node's memory copies of later steps."""
+        """After loading ``step`` from storage (every rank, 1 barrier): drop this node's memory copies of
+        later steps."""
         self._tiers.forget_newer(step)
 
     def memory_bytes(self) -> dict[str, int]:

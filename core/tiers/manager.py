@@ -24,7 +24,8 @@ What runs where (every rank of the checkpointer's group):
   ``own/rank_<r>_of_<W>/step_<N>/`` in this node's memory directory and the commit thread writes its
   ``metadata.json``, with no collective; then the peer send thread copies it to the holder.
 - **recovery** (:meth:`Tiers.recover`, caller's thread, collective): :mod:`.recovery`, then **1 barrier** once each
-  node's lowest rank has removed the copies newer than the restored step.
+  node's lowest rank has removed the copies newer than the restored step; after a load from storage
+  instead, :meth:`Tiers.forget_newer` does the same removal and barrier.
 """
 from __future__ import annotations
 
@@ -100,6 +101,7 @@ class Tiers:
         self.loader: Loader | None = None
         self.peer: PeerCopier | None = None
         self._own_newest = -1  # newest committed own memory step (commit thread writes, caller reads)
+        self._restored: int | None = None  # the step this run restored (its copy is this run's)
         self._handles: deque = deque()
         self._memory_saves = 0
         self._first_bytes: int | None = None
@@ -237,14 +239,15 @@ class Tiers:
         path = self.layout.step_dir("own", self.rank, self.world_size, step)
         handle: Any = None
         limit = self.options.memory_limit_bytes
-        if copy_dir(path).is_committed():
-            handle = _Done()  # restored or saved before: the copy is there
+        if copy_dir(path).is_committed() and step == self._restored:
+            handle = _Done()  # the copy this run restored is there
         elif limit is not None and self._held() + self._copy_bytes(state) > limit:
             self.skipped += 1
             log.warning("unickpt: rank %d: memory save of step %d skipped: the memory tiers hold %d bytes, a copy "
                         "takes about %d more, memory_limit_bytes is %d", self.comm.ranks[self.rank], step,
                         self._held(), self._copy_bytes(state), limit)
-        else:
+        else:  # a committed copy of another step is a run's that did not restore it: never this save
+            remove_tree(path, recycle_into(self._spare_dir, MAX_SPARES))
             extra = {"tier": {"kind": "memory", "rank": self.rank, "world_size": self.world_size, "node": self.node}}
             try:
                 handle = self.saver.save(SaveRequest(path, async_save=True, step=int(step), extra=extra,
@@ -322,21 +325,18 @@ class Tiers:
         # copies newer than the restored step are another future: removed once a step is restored
         # (here, or by forget_newer after the caller's load from storage succeeded: never before)
         if result is not None:
-            if self.placement.leader(self.rank) == self.rank:
-                self.layout.remove_newer(self.world_size, result.step)
-                self.layout.remove_other_layouts(self.world_size)
-            _wait_for_node_leaders(self.comm)
-            result.state = loaded.get("state")
+            _remove_newer(self, result.step)
+            result.state, self._restored = loaded.get("state"), result.step
             with self._lock:
                 self._own_newest = max(self._own_newest, result.step)  # the restored step is committed here
         return result
 
     def forget_newer(self, step: int) -> None:
-        """After a successful load of ``step`` from storage: remove this node's memory copies of later
-        steps and of other world sizes (the node's lowest rank; no collective)."""
-        if self.memory and self.placement.leader(self.rank) == self.rank:
-            self.layout.remove_newer(self.world_size, step)
-            self.layout.remove_other_layouts(self.world_size)
+        """After a successful load of ``step`` from storage (every rank, collective: **1 barrier**):
+        the node's lowest rank removes this node's memory copies of later steps and of other world
+        sizes, and no rank goes on before that (as after :meth:`recover`)."""
+        if self.memory:
+            _remove_newer(self, step)
         with self._lock:
             self._own_newest = min(self._own_newest, step)
 
@@ -382,12 +382,16 @@ def finish_all() -> None:
             log.error("unickpt: closing the memory tiers failed: %s", e)
 
 
-def _wait_for_node_leaders(comm: Comm) -> None:
-    """After a recovery (1 collective): no rank goes on before its node's lowest rank has removed the
-    copies newer than the restored step. Else a rank whose stale copy of the next step is still there
-    takes it for this run's save of that step, and the leader removes it a moment later (seen in
+def _remove_newer(tiers: Tiers, step: int) -> None:
+    """After a recovery of ``step`` or its load from storage (every rank, **1 barrier**): the node's
+    lowest rank removes the node's copies newer than ``step`` and those of other world sizes, and no
+    rank goes on before that. Else a rank whose stale copy of the next step is still there takes it for
+    this run's save of that step, and the leader removes it a moment later (seen in
     tests/tiers/test_tiers_kill_loop.py: a rank's memory lost the job's last common step)."""
     import torch.distributed as dist
 
-    if comm.world_size > 1:
-        dist.barrier(group=comm.plan_group)
+    if tiers.placement.leader(tiers.rank) == tiers.rank:
+        tiers.layout.remove_newer(tiers.world_size, step)
+        tiers.layout.remove_other_layouts(tiers.world_size)
+    if tiers.comm.world_size > 1:
+        dist.barrier(group=tiers.comm.plan_group)

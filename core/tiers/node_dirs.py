@@ -251,9 +251,12 @@ def retain_steps(rank_dir: str, keep: int, protected: int | None | Iterable[int 
       the job's common steps, so that every rank keeps the same one);
 
     and removes the other committed steps and the unfinished ones (``step_<N>`` without
-    ``metadata.json``: a crashed save's) unless ``busy(path)`` (a save in flight). Transfers in progress
-    live in dot-directories, which their own threads clean up. ``recycle``: see :func:`remove_tree`
-    (committed copies only). Returns the steps removed."""
+    ``metadata.json``: a crashed save's) unless ``busy(path)`` (a save in flight). An entry listed
+    unfinished is looked at again once it is not busy: a save that committed since the listing (its
+    commit thread, concurrently with this one) is kept; ``busy`` holds until the commit has landed,
+    so that second look is certain. Transfers in progress live in dot-directories, which their own
+    threads clean up. ``recycle``: see :func:`remove_tree` (committed copies only). Returns the steps
+    removed."""
     entries = _steps(rank_dir)
     committed = [s for s, ok in entries if ok]
     keep_set = set(committed[-keep:]) if keep > 0 else set()
@@ -266,7 +269,7 @@ def retain_steps(rank_dir: str, keep: int, protected: int | None | Iterable[int 
     removed = []
     for step, ok in entries:
         path = os.path.join(rank_dir, f"step_{step}")
-        if step in keep_set or busy(path):
+        if step in keep_set or busy(path) or (not ok and _committed(path)):
             continue
         remove_tree(path, recycle if ok else None)
         removed.append(step)

@@ -81,6 +81,28 @@ def test_retention_keeps_every_step_a_slower_rank_may_still_finish(tmp_path):
     assert sorted(os.listdir(d)) == ["step_8", "step_9"]
 
 
+def test_retention_keeps_a_copy_that_committed_after_the_listing(tmp_path):
+    """The kill-loop failure of issue #29's test ('every rank finished step 541, but these ranks' memory
+    lost it'): the caller's retention listed step 4 unfinished while its save was in flight; the
+    commit thread committed it (and the save stopped being busy) before the removal loop reached it."""
+    d = str(tmp_path / "rank")
+    for s in (1, 2, 3):
+        _fake_copy(d, s)
+    in_flight = _fake_copy(d, 4, committed=False)
+
+    def busy(path: str) -> bool:
+        if path == in_flight and not os.path.exists(os.path.join(path, "metadata.json")):
+            with open(os.path.join(path, "metadata.json"), "w") as f:  # the commit lands now
+                f.write("{}")
+        return False  # ... and the save is no longer in flight
+
+    assert retain_steps(d, 1, 2, busy=busy) == [1]  # 3 is newest of those listed committed; 2 protected
+    assert sorted(os.listdir(d)) == ["step_2", "step_3", "step_4"]
+    assert os.path.exists(os.path.join(in_flight, "metadata.json"))
+    crashed = _fake_copy(d, 5, committed=False)  # a crashed save's (never commits): removed
+    assert retain_steps(d, 1, 2, busy=lambda p: False) == [3, 5] and not os.path.exists(crashed)
+
+
 def test_retention_recycles_data_files_for_in_place_staging(tmp_path):
     d, spare = str(tmp_path / "rank"), str(tmp_path / "spare")
     for s in (1, 2, 3):
@@ -212,6 +234,21 @@ def test_memory_saves_every_step_persist_on_schedule_and_stay_bounded(tmp_path, 
     assert ck.load(back, step=4) == 4  # an older step: only storage has it
     assert ck.last_load_stats.tier == "storage" and back["step"] == 4
     assert layout.committed("own", 0, 1) == []  # the copies of steps after it belong to another future
+    ck.close()
+
+
+def test_a_run_that_did_not_restore_a_step_never_takes_an_earlier_run_s_copy_for_its_save(tmp_path, shm):
+    old = _ckpt(tmp_path, shm, memory_every=1, async_save=False)
+    for step in (1, 2):
+        old.save(step, _state(step + 100))  # an earlier run's future (killed before any persistent save)
+    old.close()
+    ck = _ckpt(tmp_path, shm, memory_every=1, async_save=False)  # a fresh start: no load
+    ck.save(1, _state(1))
+    ck.save(2, _state(2))
+    ck.wait()
+    back = _state(0)
+    assert ck.load(back) == 2 and ck.last_load_stats.tier == "memory"
+    assert torch.equal(back["w"], _state(2)["w"]) and back["step"] == 2  # this run's step 2, not the old one
     ck.close()
 
 
