@@ -6,10 +6,13 @@ fsspec ``ls`` of a checkpoint folder show only the ``.ckpt`` names, ``os.path.is
 checkpoint, and ``ModelCheckpoint``'s version counter checks ``exists``. So the unickpt checkpoint
 of a path ``P`` lives *inside* ``P``::
 
-    P = MAGIC | member bytes ... | index (JSON) | footer (index offset, index length, MAGIC)
+    P = a torch.save zip archive: data.pkl, data/<key> (each tensor's bytes), .unickpt/ (the members)
 
+so that ``torch.load(P)`` reads the checkpoint dict as from Lightning's own file (:mod:`._torchzip`).
 The members are the files of one committed unickpt checkpoint directory (``metadata.json``,
-``data/0_0.bin``, ``objects/...``); the index maps each member name to ``[offset, size]``. A save
+``data/0_0.bin``, ``objects/...``); the index maps each member name to ``[offset, size]``, or a data
+file to the parts of the ``data/<key>`` records it is made of (each tensor byte is stored once). Format
+1 (``MAGIC | members | index | footer``, written before) is still read. A save
 writes the unickpt checkpoint into process memory (``memory://``, see :func:`staging_dir`), and
 after its commit the pack is written to an unnamed file in ``P``'s folder, named in a hidden folder
 beside that folder and renamed over ``P`` atomically (object stores: one PUT): a listing of ``P``'s
@@ -24,6 +27,7 @@ until ``P`` is replaced, or its writer is gone).
 """
 from __future__ import annotations
 
+import bisect
 import errno
 import json
 import os
@@ -39,6 +43,9 @@ import fsspec
 from fsspec import AbstractFileSystem
 
 from unickpt import ext
+
+from . import _torchzip
+from ._tree import TENSORS_KEY
 
 __all__ = ["MAGIC", "PENDING_FORMAT", "PROTOCOL", "kind", "write_pack", "open_pack", "staging_dir",
            "write_placeholder", "read_placeholder", "placeholder_alive", "wait_placeholder", "temp_name",
@@ -97,7 +104,7 @@ def kind(path: str, options: dict | None = None) -> str | None:
         return "missing"
     except OSError:
         return None
-    if head.startswith(MAGIC):
+    if head.startswith(MAGIC) or _torchzip.is_pack_head(head):
         return "pack"
     if len(head) > _MAX_PLACEHOLDER or not head.lstrip().startswith(b"{"):
         return None
@@ -284,9 +291,13 @@ def _write_atomic(path: str, chunks: list, options: dict | None) -> None:
             f.write(chunk)
 
 
-def write_pack(path: str, staged: str, options: dict | None, extra: dict | None = None) -> int:
+def write_pack(path: str, staged: str, options: dict | None, extra: dict | None = None,
+               torch_pickle: _torchzip.TorchPickle | None = None) -> int:
     """Pack the committed unickpt checkpoint directory ``staged`` (``memory://``) into ``path``,
-    atomically replacing what ``path`` held. Returns the pack's size in bytes."""
+    atomically replacing what ``path`` held: a ``torch.save`` zip archive (:mod:`._torchzip`) that
+    ``torch.load`` reads as the checkpoint dict whose ``data.pkl`` is ``torch_pickle`` (None: no
+    ``data.pkl``, ``torch.load`` refuses the file), each tensor's bytes stored once. Returns the pack's
+    size in bytes."""
     mem = fsspec.filesystem("memory")
     root = mem._strip_protocol(staged).rstrip("/")
     # listed in memory directly, not through the storage layer (whose faults are the user's storage's, not
@@ -304,19 +315,37 @@ def write_pack(path: str, staged: str, options: dict | None, extra: dict | None 
         except AttributeError:  # pragma: no cover - another fsspec memory file type
             return memoryview(mem.cat_file(f"{root}/{name}"))
 
-    index: dict[str, Any] = {"format": "unickpt-lightning-pack", "format_version": 1, "files": {}, **(extra or {})}
-    offset = len(MAGIC)
-    views = []
-    for name in names:
-        v = body(name)
-        index["files"][name] = [offset, v.nbytes]
-        offset += v.nbytes
-        views.append(v)
-    raw = json.dumps(index, separators=(",", ":")).encode()
+    views = {name: body(name) for name in names}
+    metadata = json.loads(bytes(views[marker]))
+    storages = torch_pickle.storages if torch_pickle is not None else {}
+    ranges, virtual = _torchzip.map_data_files(
+        metadata, {n: v.nbytes for n, v in views.items()}, storages,
+        lambda file, gaps: all(bytes(views[file][a:b]).count(0) == b - a for a, b in gaps))
+    z = _torchzip.FOLDER
+    records: list[tuple[str, list]] = [(_torchzip.PACK_RECORD, [_torchzip.PACK_MAGIC])]
+    if torch_pickle is not None:
+        records += [(f"{z}/data.pkl", [torch_pickle.data_pkl]), (f"{z}/.format_version", [b"1"]),
+                    (f"{z}/.storage_alignment", [str(_torchzip.ALIGN).encode()]), (f"{z}/byteorder", [b"little"])]
+    for key, fqn in storages.items():
+        if ranges[key] is not None:
+            records.append((f"{z}/data/{key}", [views[f][o:o + n] for f, o, n in ranges[key]]))
+        else:  # a layout that maps onto no byte ranges: a copy of the tensor's bytes
+            tm = metadata["tensors"][metadata.get("aliases", {}).get(f"{TENSORS_KEY}.{fqn}", f"{TENSORS_KEY}.{fqn}")]
+            records.append((f"{z}/data/{key}", [_torchzip.assemble(tm, lambda f, o, n: views[f][o:o + n])]))
+    records += [(_torchzip.MEMBERS + name, [views[name]]) for name in names if name not in virtual]
+    records.append((f"{z}/version", [b"3\n"]))
 
-    chunks = [MAGIC, *views, raw, _FOOTER.pack(offset, len(raw)) + MAGIC]
+    def index(offsets: dict[str, int]) -> bytes:
+        doc: dict[str, Any] = {"format": "unickpt-lightning-pack", "format_version": 2, **(extra or {})}
+        doc["files"] = {n: [offsets[_torchzip.MEMBERS + n], views[n].nbytes] for n in names if n not in virtual}
+        doc["virtual"] = {f: {"size": seg.size, "segments": [[fo, n, offsets[f"{z}/data/{key}"] + ro]
+                                                              for fo, n, key, ro in seg.parts]}
+                          for f, seg in virtual.items()}
+        return _torchzip.index_json(doc)
+
+    chunks, offsets = _torchzip.write_zip(records, (_torchzip.INDEX_RECORD, index))
     _write_atomic(path, chunks, options)
-    return offset + len(raw) + _FOOTER.size + len(MAGIC)
+    return sum(memoryview(c).nbytes for c in chunks)
 
 
 def write_placeholder(path: str, options: dict | None, token: str) -> None:
@@ -383,21 +412,50 @@ class _Pack:
             self._fd = None
             self._f = fs.open(path, "rb")
             size = self._f.size
+        self.virtual: dict[str, dict] = {}
+        self._starts: dict[str, list[int]] = {}
         try:
-            tail = self.pread(max(0, size - _FOOTER.size - len(MAGIC)), _FOOTER.size + len(MAGIC))
-            if size < 2 * len(MAGIC) + _FOOTER.size or tail[_FOOTER.size:] != MAGIC or \
-                    self.pread(0, len(MAGIC)) != MAGIC:
-                raise ValueError(f"{path!r}: damaged unickpt checkpoint file (truncated or not a pack; "
-                                 f"{size} bytes)")
-            off, length = _FOOTER.unpack(tail[:_FOOTER.size])
+            damaged = f"{path!r}: damaged unickpt checkpoint file (truncated or not a pack; {size} bytes)"
+            if _torchzip.is_pack_head(self.pread(0, 64)):  # format 2: a torch.save zip archive
+                where = _torchzip.read_tail(self.pread(max(0, size - _torchzip.TAIL_BYTES), _torchzip.TAIL_BYTES))
+                if where is None or where[0] + where[1] > size:
+                    raise ValueError(damaged)
+                off, length = where
+            else:  # format 1: MAGIC | members | index | footer
+                tail = self.pread(max(0, size - _FOOTER.size - len(MAGIC)), _FOOTER.size + len(MAGIC))
+                if size < 2 * len(MAGIC) + _FOOTER.size or tail[_FOOTER.size:] != MAGIC or \
+                        self.pread(0, len(MAGIC)) != MAGIC:
+                    raise ValueError(damaged)
+                off, length = _FOOTER.unpack(tail[:_FOOTER.size])
             try:
                 self.index = json.loads(self.pread(off, length))
                 self.files: dict[str, list[int]] = self.index["files"]
+                self.virtual = self.index.get("virtual", {})
+                self.sizes = {**{n: int(v[1]) for n, v in self.files.items()},
+                              **{n: int(v["size"]) for n, v in self.virtual.items()}}
             except (ValueError, KeyError, TypeError):
                 raise ValueError(f"{path!r}: damaged unickpt checkpoint file (unreadable index)") from None
         except BaseException:
             self.close()
             raise
+
+    def read(self, member: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``member`` (a record, or a data file made of parts of the tensor
+        records: zeros between its parts)."""
+        if member in self.files:
+            return self.pread(self.files[member][0] + start, max(0, end - start))
+        segments = self.virtual[member]["segments"]  # sorted by file offset, not overlapping
+        starts = self._starts.get(member)
+        if starts is None:
+            starts = self._starts[member] = [seg[0] for seg in segments]
+        out = bytearray(max(0, end - start))
+        for file_off, n, pack_off in segments[max(0, bisect.bisect_right(starts, start) - 1):]:
+            if file_off >= end:
+                break
+            a, b = max(start, file_off), min(end, file_off + n)
+            if a < b:
+                out[a - start:b - start] = self.pread(pack_off + (a - file_off), b - a)
+        return bytes(out)
 
     def pread(self, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset`` of the pack file (fewer at its end)."""
@@ -454,9 +512,9 @@ class PackFileSystem(AbstractFileSystem):
     def info(self, path: str, **kwargs: Any) -> dict:
         """fsspec ``info`` of a member (a file) or of a folder of members."""
         pack, member = self._split(path)
-        if member in pack.files:
-            return {"name": self._strip_protocol(path), "size": pack.files[member][1], "type": "file"}
-        if member == "" or any(n.startswith(member + "/") for n in pack.files):
+        if member in pack.sizes:
+            return {"name": self._strip_protocol(path), "size": pack.sizes[member], "type": "file"}
+        if member == "" or any(n.startswith(member + "/") for n in pack.sizes):
             return {"name": self._strip_protocol(path), "size": 0, "type": "directory"}
         raise FileNotFoundError(path)
 
@@ -465,8 +523,8 @@ class PackFileSystem(AbstractFileSystem):
         pack, member = self._split(path)
         base = self._strip_protocol(path)
         prefix = member + "/" if member else ""
-        names = sorted({n[len(prefix):].split("/", 1)[0] for n in pack.files if n.startswith(prefix)})
-        if not names and member not in pack.files:
+        names = sorted({n[len(prefix):].split("/", 1)[0] for n in pack.sizes if n.startswith(prefix)})
+        if not names and member not in pack.sizes:
             raise FileNotFoundError(path)
         out = [self.info(f"{base}/{n}") for n in names]
         return out if detail else [o["name"] for o in out]
@@ -474,12 +532,12 @@ class PackFileSystem(AbstractFileSystem):
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
         """Bytes ``[start, end)`` of a member (negative values count from its end, as fsspec's)."""
         pack, member = self._split(path)
-        if member not in pack.files:
+        if member not in pack.sizes:
             raise FileNotFoundError(path)
-        off, size = pack.files[member]
+        size = pack.sizes[member]
         start = 0 if start is None else (start if start >= 0 else size + start)
         end = size if end is None else (min(end, size) if end >= 0 else size + end)
-        return pack.pread(off + start, max(0, end - start))
+        return pack.read(member, start, end)
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         import io

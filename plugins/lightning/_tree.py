@@ -94,15 +94,18 @@ def split(checkpoint: Any, *, take_tensors: bool = True) -> tuple[Any, dict[str,
     return walk(checkpoint, ()), tensors
 
 
-def join(tree: Any, tensor_for: Callable[[dict], torch.Tensor]) -> Any:
+def join(tree: Any, tensor_for: Callable[[dict], Any], *, raw: bool = False) -> Any:
     """Inverse of :func:`split`: ``tensor_for(placeholder)`` gives each placeholder's tensor (already
     loaded); this puts back Parameters, ``requires_grad`` and ``OrderedDict._metadata``. Containers of
-    other types are rebuilt with their own type."""
+    other types are rebuilt with their own type. ``raw``: what ``tensor_for`` returns is the value as
+    it is (a stand-in that carries the Parameter and ``requires_grad`` itself)."""
 
     def walk(x: Any) -> Any:
         if isinstance(x, dict):
             if len(x) >= 2 and TENSOR_TAG in x and type(x) is dict:
                 t = tensor_for(x)
+                if raw:
+                    return t
                 if x.get("parameter"):
                     return torch.nn.Parameter(t, requires_grad=bool(x.get("requires_grad")))
                 return t.requires_grad_(True) if x.get("requires_grad") else t

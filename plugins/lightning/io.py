@@ -31,6 +31,7 @@ from ._pickles import load_allowed, refuse_pickles
 from ._pointers import Pointer
 from ._reading import Reader, Solo, mover, tensor_template
 from ._strategies import install
+from ._torchzip import TorchPickle, pickle_checkpoint
 from ._tracking import SaveTracker
 from ._tree import FRAMEWORK, TENSOR_TAG, TENSORS_KEY, TREE_KEY, global_step, join, split
 from ._versions import collect_old_layout, publish_version, remove_pointer_checkpoint
@@ -170,6 +171,7 @@ class UnickptCheckpointIO(SaveTracker, CheckpointIO):
         if not self._save_pickle():
             refuse_pickles(path, tree)
         step = global_step(checkpoint)
+        torch_pickle = _torch_pickle(path, tree, tensors)
         staged = _pack.staging_dir()
         state = {TENSORS_KEY: tensors, TREE_KEY: tree} if tensors else {TREE_KEY: tree}
         token = uuid.uuid4().hex
@@ -183,7 +185,8 @@ class UnickptCheckpointIO(SaveTracker, CheckpointIO):
             handle = io_engine().save(
                 staged, state, async_save=True, step=step, framework=FRAMEWORK,
                 extra={"lightning_route": "io", "lightning_name": os.path.basename(path.rstrip("/"))},
-                on_commit=self._publisher(path, staged, options, step, published), allow_pickle=self._save_pickle(),
+                on_commit=self._publisher(path, staged, options, step, published, torch_pickle),
+                allow_pickle=self._save_pickle(),
                 on_error=self._on_engine_error)
         except BaseException as e:
             if placeholder:
@@ -206,11 +209,12 @@ class UnickptCheckpointIO(SaveTracker, CheckpointIO):
                 release_io_engine()
 
     def _publisher(self, path: str, staged: str, options: dict | None, step: int | None,
-                   published: list) -> Callable[[], None]:
-        """The ``on_commit`` step of an io-route save: write the pack at ``path``, then collect the
-        data of the earlier pointer layout."""
+                   published: list, torch_pickle: TorchPickle | None) -> Callable[[], None]:
+        """The ``on_commit`` step of an io-route save: write the pack at ``path`` (``torch.load``
+        reads it as the dict ``torch_pickle`` pickled), then collect the data of the earlier pointer
+        layout."""
         def publish() -> None:
-            _pack.write_pack(path, staged, options, extra={"global_step": step})
+            _pack.write_pack(path, staged, options, extra={"global_step": step}, torch_pickle=torch_pickle)
             published.append(True)
             collect_old_layout(path, options)
         return self._guarded(path, publish)
@@ -332,3 +336,15 @@ def _wait_at_exit() -> None:
             io.wait()
         except BaseException:  # noqa: BLE001 - nothing left to raise to
             log.exception("unickpt.lightning: a checkpoint save failed before exit")
+
+
+def _torch_pickle(path: str, tree: Any, tensors: dict) -> TorchPickle | None:
+    """``data.pkl`` of the checkpoint (caller's thread, at the save call), so that ``torch.load(path)``
+    reads the checkpoint dict; None (logged: unickpt still reads the file) when ``pickle`` cannot store
+    an object of it, which ``torch.save`` could not either."""
+    try:
+        return pickle_checkpoint(tree, tensors)
+    except Exception as e:  # noqa: BLE001 - any pickling failure: the checkpoint itself is unaffected
+        log.warning("unickpt.lightning: %s will not be readable by torch.load (unickpt reads it): pickling the "
+                    "checkpoint dict failed: %s", path, e)
+        return None

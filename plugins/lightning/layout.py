@@ -20,6 +20,7 @@ from typing import Any
 from unickpt import StateMismatchError, ext, interop
 
 from ._pointers import POINTER_NAME
+from ._torchzip import is_pack_head
 
 __all__ = ["LightningLayout", "LAYOUT", "WRAPPERS", "locate"]
 
@@ -64,7 +65,7 @@ def _full_dict(route: Any) -> str:
             "(ModelParallelStrategy, FSDPStrategy sharded) to move runs between frameworks")
 
 
-_PACK_MAGIC = b"UNICKPT-LPACK-1\n"  # the first bytes of a pack (``_pack.MAGIC``; this module imports no Lightning)
+_PACK_MAGIC = b"UNICKPT-LPACK-1\n"  # the first bytes of a format 1 pack (``_pack.MAGIC``; no Lightning import here)
 
 
 def locate(path: str, storage: ext.StorageBackend) -> str | None:
@@ -78,11 +79,11 @@ def locate(path: str, storage: ext.StorageBackend) -> str | None:
         if not storage.exists(file) or storage.isdir(file):
             return None
         size = storage.size(file)
-        head = bytearray(min(size, len(_PACK_MAGIC)))
+        head = bytearray(min(size, 64))
         storage.read_into(file, [(0, len(head))], memoryview(head), 0)
     except (OSError, ValueError, EOFError):
         return None
-    if bytes(head) == _PACK_MAGIC:
+    if bytes(head[:len(_PACK_MAGIC)]) == _PACK_MAGIC or is_pack_head(bytes(head)):
         raise StateMismatchError(f"{path!r}: " + _full_dict("io"))
     try:
         if size > 1 << 16:

@@ -108,7 +108,7 @@ def test_checkpoint_dict_round_trips_exactly(tmp_path, async_save):
     meta = pack_metadata(path)
     assert meta.framework == "lightning" and meta.step == 12
     assert "tensors.state_dict.0.weight" in meta.tensors and "tensors.optimizer_states.0.state.0.exp_avg" in meta.tensors
-    assert os.listdir(tmp_path) == ["epoch=3-step=12.ckpt"] and path.read_bytes()[:16] == _pack.MAGIC  # one file
+    assert os.listdir(tmp_path) == ["epoch=3-step=12.ckpt"] and _pack.kind(str(path)) == "pack"  # one file
     # Lightning's resume path: the model takes the state dict, the optimizer its state
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     model.load_state_dict(out["state_dict"])
