@@ -364,7 +364,7 @@ def _read_text(storage: StorageBackend, path: str) -> tuple[str, bytes]:
             f"no committed checkpoint at {path!r}: {METADATA_FILE} is missing "
             "(the save never finished, or the path is wrong)"
         ) from None
-    except (NotADirectoryError, IsADirectoryError, StorageError):
+    except (NotADirectoryError, IsADirectoryError, StorageError, IntegrityError):
         raise
     except OSError as e:
         raise StorageError(f"cannot read {meta_path!r}: {e}", meta_path, e) from e

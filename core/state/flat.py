@@ -513,7 +513,12 @@ def local_nbytes(leaf: TensorLeaf) -> int:
 
 
 def check_leaf_fits(leaf: TensorLeaf) -> None:
-    """Raise ValueError if the local tensor's size does not match its chunk spec."""
+    """Before a save: raise ValueError, naming the fqn, if the local tensor has no bytes to save (on
+    the ``meta`` device: staging would read address 0) or its size does not match its chunk spec."""
+    t = leaf.local
+    if t.device.type == "meta" and t.numel() > 0:
+        raise ValueError(f"{leaf.fqn!r}: a tensor on the meta device has no data to save (shape {list(t.shape)}, "
+                         f"{t.dtype}); materialize it first (e.g. model.to_empty(device=...) and initialize)")
     want = leaf.spec.numel
     if leaf.local.numel() != want:
         raise ValueError(f"{leaf.fqn!r}: local tensor has {leaf.local.numel()} elements, its shard spec {leaf.spec} has {want}")

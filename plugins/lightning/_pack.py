@@ -36,13 +36,14 @@ import struct
 import threading
 import time
 import uuid
+import zlib
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import fsspec
 from fsspec import AbstractFileSystem
 
-from unickpt import ext
+from unickpt import IntegrityError, ext
 
 from . import _torchzip
 from ._tree import TENSORS_KEY
@@ -335,15 +336,16 @@ def write_pack(path: str, staged: str, options: dict | None, extra: dict | None 
     records += [(_torchzip.MEMBERS + name, [views[name]]) for name in names if name not in virtual]
     records.append((f"{z}/version", [b"3\n"]))
 
-    def index(offsets: dict[str, int]) -> bytes:
+    def index(placed: dict[str, _torchzip.Placed]) -> bytes:
         doc: dict[str, Any] = {"format": "unickpt-lightning-pack", "format_version": 2, **(extra or {})}
-        doc["files"] = {n: [offsets[_torchzip.MEMBERS + n], views[n].nbytes] for n in names if n not in virtual}
-        doc["virtual"] = {f: {"size": seg.size, "segments": [[fo, n, offsets[f"{z}/data/{key}"] + ro]
+        members = {n: placed[_torchzip.MEMBERS + n] for n in names if n not in virtual}
+        doc["files"] = {n: [p.offset, p.size, p.crc] for n, p in members.items()}
+        doc["virtual"] = {f: {"size": seg.size, "segments": [[fo, n, placed[f"{z}/data/{key}"].offset + ro]
                                                               for fo, n, key, ro in seg.parts]}
                           for f, seg in virtual.items()}
         return _torchzip.index_json(doc)
 
-    chunks, offsets = _torchzip.write_zip(records, (_torchzip.INDEX_RECORD, index))
+    chunks, _ = _torchzip.write_zip(records, (_torchzip.INDEX_RECORD, index))
     _write_atomic(path, chunks, options)
     return sum(memoryview(c).nbytes for c in chunks)
 
@@ -414,13 +416,16 @@ class _Pack:
             size = self._f.size
         self.virtual: dict[str, dict] = {}
         self._starts: dict[str, list[int]] = {}
+        self._checked: set[str] = set()
         try:
             damaged = f"{path!r}: damaged unickpt checkpoint file (truncated or not a pack; {size} bytes)"
             if _torchzip.is_pack_head(self.pread(0, 64)):  # format 2: a torch.save zip archive
                 where = _torchzip.read_tail(self.pread(max(0, size - _torchzip.TAIL_BYTES), _torchzip.TAIL_BYTES))
                 if where is None or where[0] + where[1] > size:
                     raise ValueError(damaged)
-                off, length = where
+                off, length, crc = where
+                if zlib.crc32(self.pread(off, length)) != crc:
+                    raise ValueError(f"{path!r}: damaged unickpt checkpoint file (its index fails its CRC-32)")
             else:  # format 1: MAGIC | members | index | footer
                 tail = self.pread(max(0, size - _FOOTER.size - len(MAGIC)), _FOOTER.size + len(MAGIC))
                 if size < 2 * len(MAGIC) + _FOOTER.size or tail[_FOOTER.size:] != MAGIC or \
@@ -439,10 +444,28 @@ class _Pack:
             self.close()
             raise
 
+    def _check(self, member: str) -> None:
+        """Check a member record's CRC-32 (format 2; once per open pack): unickpt's checksums cover the
+        tensor bytes, this the metadata and objects. Raises IntegrityError naming the file and member."""
+        entry = self.files[member]
+        if len(entry) < 3 or member in self._checked:
+            return
+        off, size, crc = entry[:3]
+        value, pos = 0, 0
+        while pos < size:
+            n = min(8 << 20, size - pos)
+            value = zlib.crc32(self.pread(off + pos, n), value)
+            pos += n
+        if value != crc:
+            raise IntegrityError(f"{self.path!r}: damaged unickpt checkpoint file: its member {member!r} fails its "
+                                 f"CRC-32 (recorded {crc:08x}, read {value:08x})")
+        self._checked.add(member)
+
     def read(self, member: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``member`` (a record, or a data file made of parts of the tensor
         records: zeros between its parts)."""
         if member in self.files:
+            self._check(member)
             return self.pread(self.files[member][0] + start, max(0, end - start))
         segments = self.virtual[member]["segments"]  # sorted by file offset, not overlapping
         starts = self._starts.get(member)

@@ -16,8 +16,10 @@ first (what :func:`is_pack_head` recognises), its ``metadata.json`` and object f
 ``archive/.unickpt/``, and its data files *not as records*: each is a list of segments of the
 ``data/<key>`` records (:func:`map_data_files`), so each tensor byte is stored once and read by both
 ``torch.load`` and unickpt (by byte range). The index of the members is the record
-``archive/.unickpt/index.json``; the zip's end record's comment (the last 31 bytes of the file:
-``UNICKPT-LPACK-2`` and the index's offset and length) finds it without a scan.
+``archive/.unickpt/index.json``; the zip's end record's comment (the last 35 bytes of the file:
+``UNICKPT-LPACK-2`` and the index's offset, length and CRC-32) finds it without a scan. The index
+gives each member record's CRC-32 too, which the reader checks (:mod:`._pack`): unickpt's own
+checksums cover the tensor bytes, these the rest (metadata, objects).
 
 Every function here runs in one thread: :func:`pickle_checkpoint` in the caller's (the save call: the
 pickle is the checkpoint as it was then), the others in the commit thread of the save (the pack writer)
@@ -39,7 +41,7 @@ import torch
 from ._tree import TENSOR_TAG, TENSORS_KEY, join
 
 __all__ = ["FOLDER", "PACK_RECORD", "PACK_MAGIC", "TAIL_TAG", "TorchPickle", "pickle_checkpoint", "map_data_files",
-           "write_zip", "is_pack_head", "read_tail", "Segments"]
+           "write_zip", "Placed", "is_pack_head", "read_tail", "Segments"]
 
 FOLDER = "archive"
 PACK_RECORD = f"{FOLDER}/.unickpt/pack"  # the first record (its name identifies a pack)
@@ -47,7 +49,7 @@ PACK_MAGIC = b"UNICKPT-LPACK-2\n"  # its content
 MEMBERS = f"{FOLDER}/.unickpt/"  # unickpt's members, as records
 INDEX_RECORD = f"{FOLDER}/.unickpt/index.json"
 TAIL_TAG = b"UNICKPT-LPACK-2"
-_TAIL = struct.Struct("<QQ")  # the index record's data offset and length, after TAIL_TAG
+_TAIL = struct.Struct("<QQI")  # the index record's data offset, length and CRC-32, after TAIL_TAG
 ALIGN = 64  # torch.save's storage alignment (``.storage_alignment``)
 _ZIP64_AT = 0xFFFFFFFF  # sizes and offsets from here need zip64 fields (a module constant: tests lower it)
 _COUNT64_AT = 0xFFFF
@@ -134,7 +136,8 @@ def pickle_checkpoint(tree: Any, tensors: dict[str, torch.Tensor]) -> TorchPickl
     ``tensors`` (:func:`unickpt.lightning._tree.split`) hold, as ``torch.save`` pickles it. A tensor
     referenced twice (tied) is one storage and one object after ``torch.load``, as with torch.save; views
     of one storage that differ (shape, offset) are separate storages (torch.save would share one).
-    Raises what pickling raises (an object ``pickle`` cannot store)."""
+    Raises ValueError naming the fqn for a tensor unickpt cannot store (sparse, quantized), and what
+    pickling raises for an object ``pickle`` cannot store."""
     storages: dict[str, str] = {}
     by_identity: dict[tuple, _Storage] = {}
     stand_ins: dict[tuple, _Tensor] = {}
@@ -142,8 +145,12 @@ def pickle_checkpoint(tree: Any, tensors: dict[str, torch.Tensor]) -> TorchPickl
     def leaf(tag: dict) -> _Tensor:
         fqn = tag[TENSOR_TAG]
         t = tensors[fqn]
+        if t.layout != torch.strided or t.is_quantized:
+            kind = "quantized" if t.layout == torch.strided else str(t.layout).replace("torch.", "")
+            raise ValueError(f"{fqn!r}: a {kind} tensor; unickpt saves dense (strided) tensors only "
+                             "(store t.to_dense() / t.dequantize())")
         ident = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()) \
-            if t.numel() else ("empty", fqn)
+            if t.numel() and t.data_ptr() else ("own", fqn)
         storage = by_identity.get(ident)
         if storage is None:
             key = str(len(storages))
@@ -299,27 +306,35 @@ def _local_extra(offset: int, name: bytes, size: int) -> tuple[bytes, bool]:
     return extra + struct.pack("<HH", 0x4246, pad) + b"Z" * pad, zip64
 
 
+@dataclass(frozen=True)
+class Placed:
+    """Where a record's data is in the archive: ``offset`` and ``size`` in bytes, ``crc`` its CRC-32."""
+
+    offset: int
+    size: int
+    crc: int
+
+
 def write_zip(records: Iterable[tuple[str, list]],
-              index: tuple[str, Callable[[dict[str, int]], bytes]] | None = None) -> tuple[list, dict[str, int]]:
+              index: tuple[str, Callable[[dict[str, Placed]], bytes]] | None = None) -> tuple[list, dict[str, Placed]]:
     """The zip archive of ``records`` (``(name, [bytes-like parts])``, stored, each record's data at a
-    multiple of 64 bytes), as a list of chunks to write in order (the parts are not copied), and
-    ``{name: data offset}``. ``index``: ``(name, make)``, a last record whose bytes ``make(offsets)``
-    gives from the other records' data offsets; the end record's comment locates it (:func:`read_tail`).
-    zip64 fields where sizes, offsets or the record count need them."""
+    multiple of 64 bytes), as a list of chunks to write in order (the parts are not copied), and where
+    each record's data went (:class:`Placed`). ``index``: ``(name, make)``, a last record whose bytes
+    ``make(placed)`` gives from the other records' places; the end record's comment locates it and
+    holds its CRC-32 (:func:`read_tail`). zip64 fields where sizes, offsets or the record count need them."""
     chunks: list = []
     central: list = []
-    offsets: dict[str, int] = {}
-    sizes: dict[str, int] = {}
+    placed: dict[str, Placed] = {}
     pos = 0
 
     def all_records() -> Iterator[tuple[str, list]]:
         yield from records
         if index is not None:
-            yield index[0], [index[1](dict(offsets))]
+            yield index[0], [index[1](dict(placed))]
 
     for name, parts in all_records():
         raw = name.encode()
-        size = sizes[name] = sum(memoryview(p).nbytes for p in parts)
+        size = sum(memoryview(p).nbytes for p in parts)
         crc = 0
         for p in parts:
             crc = zlib.crc32(p, crc)
@@ -328,9 +343,9 @@ def write_zip(records: Iterable[tuple[str, list]],
         header = _LOCAL.pack(0x04034B50, 45 if zip64 else 20, 0, 0, 0, _DOS_DATE, crc, small, small, len(raw),
                              len(extra))
         chunks += [header, raw, extra, *parts]
-        offsets[name] = pos + len(header) + len(raw) + len(extra)
+        placed[name] = Placed(pos + len(header) + len(raw) + len(extra), size, crc)
         central.append((raw, crc, size, pos))
-        pos = offsets[name] + size
+        pos = placed[name].offset + size
     cd_start = pos
     for raw, crc, size, offset in central:
         fields = [v for v in (size, size) if size >= _ZIP64_AT] + ([offset] if offset >= _ZIP64_AT else [])
@@ -350,9 +365,10 @@ def write_zip(records: Iterable[tuple[str, list]],
         count16, size32, start32 = count, cd_size, cd_start
     comment = b""
     if index is not None:
-        comment = TAIL_TAG + _TAIL.pack(offsets[index[0]], sizes[index[0]])
+        where = placed[index[0]]
+        comment = TAIL_TAG + _TAIL.pack(where.offset, where.size, where.crc)
     chunks.append(_END.pack(0x06054B50, 0, 0, count16, count16, size32, start32, len(comment)) + comment)
-    return chunks, offsets
+    return chunks, placed
 
 
 def is_pack_head(head: bytes) -> bool:
@@ -371,9 +387,9 @@ def _first_record() -> bytes:
 TAIL_BYTES = _END.size + len(TAIL_TAG) + _TAIL.size  # the last bytes of a pack: the end record
 
 
-def read_tail(tail: bytes) -> tuple[int, int] | None:
-    """The index record's ``(offset, length)`` from a pack's last :data:`TAIL_BYTES` bytes, or None
-    (not a pack's end: truncated or another file)."""
+def read_tail(tail: bytes) -> tuple[int, int, int] | None:
+    """The index record's ``(offset, length, CRC-32)`` from a pack's last :data:`TAIL_BYTES` bytes, or
+    None (not a pack's end: truncated or another file)."""
     if len(tail) != TAIL_BYTES or tail[:4] != b"PK\x05\x06":
         return None
     if struct.unpack_from("<H", tail, _END.size - 2)[0] != len(TAIL_TAG) + _TAIL.size:
@@ -381,8 +397,8 @@ def read_tail(tail: bytes) -> tuple[int, int] | None:
     comment = tail[_END.size:]
     if comment[:len(TAIL_TAG)] != TAIL_TAG:
         return None
-    off, length = _TAIL.unpack(comment[len(TAIL_TAG):])
-    return int(off), int(length)
+    off, length, crc = _TAIL.unpack(comment[len(TAIL_TAG):])
+    return int(off), int(length), int(crc)
 
 
 def index_json(doc: dict) -> bytes:

@@ -338,13 +338,35 @@ def _wait_at_exit() -> None:
             log.exception("unickpt.lightning: a checkpoint save failed before exit")
 
 
-def _torch_pickle(path: str, tree: Any, tensors: dict) -> TorchPickle | None:
+def _torch_pickle(path: str, tree: Any, tensors: dict) -> TorchPickle:
     """``data.pkl`` of the checkpoint (caller's thread, at the save call), so that ``torch.load(path)``
-    reads the checkpoint dict; None (logged: unickpt still reads the file) when ``pickle`` cannot store
-    an object of it, which ``torch.save`` could not either."""
+    reads the checkpoint dict. Raises, before anything is written, ValueError naming the key for a
+    tensor unickpt cannot store, and ``pickle.PicklingError`` naming the path and the key of a value
+    ``pickle`` cannot store (which ``torch.save`` could not write either)."""
+    import pickle
+
     try:
         return pickle_checkpoint(tree, tensors)
-    except Exception as e:  # noqa: BLE001 - any pickling failure: the checkpoint itself is unaffected
-        log.warning("unickpt.lightning: %s will not be readable by torch.load (unickpt reads it): pickling the "
-                    "checkpoint dict failed: %s", path, e)
-        return None
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - pickle raises several types; the key is what helps
+        raise pickle.PicklingError(f"{path!r}: the checkpoint dict holds a value pickle cannot store, at key "
+                                   f"{_unpicklable_key(tree)!r} (torch.save could not write it either): {e}") from e
+
+
+def _unpicklable_key(tree: Any, prefix: str = "") -> str | None:
+    """The first key (dotted) of ``tree`` whose value ``pickle`` cannot store, or None."""
+    import pickle
+
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else None
+    if items is None:
+        try:
+            pickle.dumps(tree, protocol=2)
+            return None
+        except Exception:  # noqa: BLE001
+            return prefix or "<root>"
+    for k, v in items:
+        found = _unpicklable_key(v, f"{prefix}.{k}" if prefix else str(k))
+        if found is not None:
+            return found
+    return None

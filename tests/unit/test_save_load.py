@@ -205,6 +205,10 @@ def test_unloadable_targets_are_named(tmp_path):
         unickpt.load(tmp_path / "c", {"w": torch.zeros(3, 2), "t": (torch.zeros(1), 0)})
     with pytest.raises(unickpt.SaveFailedError, match="layout torch.sparse_coo is not supported"):
         unickpt.save(tmp_path / "s", {"w": torch.eye(3).to_sparse()})
+    # a save of a meta tensor: refused by name (its staging copied from address 0: the process died)
+    with pytest.raises(unickpt.SaveFailedError, match=r"'w': a tensor on the meta device has no data to save"):
+        unickpt.save(tmp_path / "m", {"w": torch.empty(3, 2, device="meta"), "ok": torch.ones(2)})
+    assert not (tmp_path / "m" / "metadata.json").exists()
 
 
 def test_damaged_checkpoint_files_raise_integrity_errors(tmp_path):

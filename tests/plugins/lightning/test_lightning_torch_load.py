@@ -194,3 +194,42 @@ def test_an_ordered_dict_and_parameter_pickle_as_torch_save_pickles_them():
     assert pickled.storages == {"0": "sd.w"}
     assert b"_rebuild_parameter" in pickled.data_pkl and b"FloatStorage" in pickled.data_pkl
     assert b"_metadata" in pickled.data_pkl
+
+
+def test_a_flipped_bit_outside_the_tensors_is_refused_by_unickpt_s_reader(tmp_path):
+    """unickpt's checksums cover the tensor bytes; the CRC-32s the archive records cover the metadata
+    (epoch, global_step, hyper-parameters) and the index: one flipped bit there is an error, never a
+    different dict."""
+    from unickpt import IntegrityError
+
+    io, path = _save(tmp_path, {"epoch": 1, "global_step": 7, "state_dict": {"w": torch.ones(3)},
+                                "hyper_parameters": {"lr": 0.5}})
+    data = bytearray(path.read_bytes())
+    with _pack.open_pack(str(path)) as (_url, index):
+        off, size, _crc = index["files"]["metadata.json"]
+    at = data.index(b'"lr"', off, off + size)  # in the metadata record's state tree
+    flipped = bytearray(data)
+    flipped[at + 1] ^= 0x01  # "lr" -> "mr"
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(IntegrityError, match="member 'metadata.json' fails its CRC-32"):
+        io.load_checkpoint(path)
+    index_at = data.rindex(b'"global_step":7')  # the index record's copy of the step
+    flipped = bytearray(data)
+    flipped[index_at + len('"global_step":')] = ord("6")
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(ValueError, match="its index fails its CRC-32"):
+        io.load_checkpoint(path)
+    path.write_bytes(bytes(data))
+    assert io.load_checkpoint(path)["hyper_parameters"] == {"lr": 0.5}
+
+
+def test_what_torch_save_cannot_write_fails_the_save_call_by_key(tmp_path):
+    io = UnickptCheckpointIO(allow_pickle=True)
+    import pickle
+
+    with pytest.raises(pickle.PicklingError, match=r"'hyper_parameters\.fn' \(torch\.save could not write it"):
+        io.save_checkpoint({"global_step": 1, "hyper_parameters": {"lr": 1, "fn": lambda x: x}}, tmp_path / "a.ckpt")
+    with pytest.raises(ValueError, match=r"'state_dict\.w': a sparse_coo tensor; unickpt saves dense"):
+        io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.eye(2).to_sparse()}}, tmp_path / "b.ckpt")
+    io.teardown()
+    assert os.listdir(tmp_path) == []  # nothing written, no placeholder left
