@@ -10,13 +10,22 @@ messages. No collective: one message per transfer.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["P2P", "TAG_BITS"]
+__all__ = ["P2P", "TAG_BITS", "wait_all"]
 
 TAG_BITS = 20  # transfers per save < 2**20; the save's sequence number goes above them
+
+
+def wait_all(works: Iterable[Any]) -> None:
+    """Wait for every posted transfer (``torch.distributed`` ``Work`` objects; None entries, which
+    ``isend`` / ``irecv`` give for a peer outside the group, are skipped), in order."""
+    for w in works:
+        if w is not None:
+            w.wait()
 
 
 class P2P:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..dist import failures
 from ..dist.comm import Comm
+from ..dist.p2p import wait_all
 from ..errors import IntegrityError
 from ..options import LoadOptions
 from ..plan.needs import ChunkTable
@@ -118,9 +119,7 @@ def read_and_exchange(comm: Comm, storage: StorageBackend, path: str, table: Chu
                             works.append(dist.isend(view(seg), dst=comm.ranks[dst], group=comm.plan_group,
                                                     tag=tags[(index_of[id(seg)], dst)]))
                             stats.bytes_sent += seg.length
-            for w in works:
-                if w is not None:
-                    w.wait()
+            wait_all(works)
             if error is not None:  # keep serving the peers in later rounds; copy nothing; report at the end
                 continue
             t_copy = time.perf_counter()

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ..dist.p2p import P2P
+from ..dist.p2p import P2P, wait_all
 from ..plan.save_plan import WriteChunk, RecvFill, SendOp
 from .staging import CudaStager, StagingPool, byte_view, copy_bytes
 
@@ -114,5 +114,4 @@ class MergeTransfers:
         for f in owed_recvs:  # one at a time: they share the scratch buffer
             log.posted_recvs.add(f.index)
             self.p2p.irecv(recv_scratch[: f.nbytes], f.src, P2P.tag(seq, f.index)).wait()
-        for w in works:
-            w.wait()
+        wait_all(works)

@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 from ..dist.comm import Comm
+from ..dist.p2p import wait_all
 from ..errors import IntegrityError, StateMismatchError, UnsafeObjectError
 from ..loading.stats import LoadStats
 from .node_dirs import MemoryLayout, remove_tree
@@ -267,8 +268,6 @@ class Recovery:
                     if into is not None:
                         keep.append(into)
                         works.append(dist.irecv(into, src=self.comm.ranks[src.server], group=self.comm.plan_group, tag=tag))
-        for w in works:
-            if w is not None:
-                w.wait()
+        wait_all(works)
         del keep
         return received, error

@@ -305,8 +305,10 @@ def _commit_generation(storage: ext.StorageBackend, path: str, gen: str) -> None
     top = ext.CheckpointDir(storage, path)
     meta = _prefixed(ext.CheckpointDir(storage, storage.join(path, gen)).read_metadata(), gen)
     try:  # the checkpoint replaced: its generation is enough, unless it was written into path itself
-        old_extra = top.read_extra() if top.is_committed() else None
-        old = top.read_metadata() if old_extra is not None and _generation(old_extra) is None else None
+        raw = top.metadata_bytes() if top.is_committed() else None  # read once, parsed as far as needed
+        old_extra = CheckpointMetadata.extra_from_json(raw, source=top.metadata_path) if raw is not None else None
+        old = CheckpointMetadata.from_json(raw, source=top.metadata_path) \
+            if raw is not None and old_extra is not None and _generation(old_extra) is None else None
     except Exception:  # unreadable: it is replaced, its files are left alone
         old_extra = old = None
     top.commit(meta)
@@ -325,11 +327,15 @@ def _commit_generation(storage: ext.StorageBackend, path: str, gen: str) -> None
         files = {c.file for t in old.tensors.values() for c in t.explicit}
         files |= set(old.per_rank.get("files") or [])
         files |= _split_files(storage, path, old.index)
-        for rel in sorted(f for f in files - keep if isinstance(f, str) and ".." not in f.split("/")):
+        gone = sorted(f for f in files - keep if isinstance(f, str) and ".." not in f.split("/"))
+        for rel in [*gone, ext.CheckpointDir.WRITER_NAME]:  # and the writer record of that save
             try:
                 storage.rm(storage.join(path, rel))
             except FileNotFoundError:
                 pass
+        for folder in sorted({rel.rsplit("/", 1)[0] for rel in gone if "/" in rel}, reverse=True):
+            if not storage.listdir(storage.join(path, folder)):  # data/, objects/: emptied, not the user's
+                storage.rm(storage.join(path, folder))
 
 
 def _remove_dead_generations(storage: ext.StorageBackend, path: str, gen: str) -> None:

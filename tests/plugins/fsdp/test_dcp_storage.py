@@ -126,3 +126,24 @@ def test_async_save_group_given_to_async_save_only(pool, tmp_path):
     res = pool(2).run(d.async_group_run, str(tmp_path / "ckpt"))
     for r in res:
         assert r == {"created_on_caller": True, "w": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "step": 2}, r
+
+
+def test_a_dcp_save_over_a_checkpoint_written_into_the_path_removes_its_files(tmp_path):
+    """A path holding a checkpoint unickpt.save wrote into the path itself (no generation): a DCP save
+    there commits its generation, then removes the old checkpoint's data files (read once, parsed as far
+    as needed); a file of the user's stays."""
+    import torch.distributed.checkpoint as dcp
+
+    import unickpt
+    import unickpt.fsdp
+
+    path = tmp_path / "ckpt"
+    unickpt.save(str(path), {"w": torch.arange(4.0), "old": torch.ones(3)})
+    old_files = sorted(os.listdir(path / "data"))
+    (path / "notes.txt").write_text("mine")
+    dcp.save({"w": torch.arange(4.0) * 2}, storage_writer=unickpt.fsdp.StorageWriter(str(path)), no_dist=True)
+    assert not any((path / "data" / f).exists() for f in old_files)
+    assert sorted(os.listdir(path)) == [".unickpt-dcp", "metadata.json", "notes.txt"]
+    t = {"w": torch.zeros(4)}
+    dcp.load(t, storage_reader=unickpt.fsdp.StorageReader(str(path)), no_dist=True)
+    assert torch.equal(t["w"], torch.arange(4.0) * 2)
