@@ -238,16 +238,17 @@ class Tiers:
         self._reap()
         path = self.layout.step_dir("own", self.rank, self.world_size, step)
         handle: Any = None
-        limit = self.options.memory_limit_bytes
-        if copy_dir(path).is_committed() and step == self._restored:
+        limit, stale = self.options.memory_limit_bytes, copy_dir(path).is_committed()
+        if stale and step != self._restored:  # a run's that did not restore it: never this save's
+            remove_tree(path, recycle_into(self._spare_dir, MAX_SPARES))
+        if stale and step == self._restored:
             handle = _Done()  # the copy this run restored is there
         elif limit is not None and self._held() + self._copy_bytes(state) > limit:
             self.skipped += 1
             log.warning("unickpt: rank %d: memory save of step %d skipped: the memory tiers hold %d bytes, a copy "
                         "takes about %d more, memory_limit_bytes is %d", self.comm.ranks[self.rank], step,
                         self._held(), self._copy_bytes(state), limit)
-        else:  # a committed copy of another step is a run's that did not restore it: never this save
-            remove_tree(path, recycle_into(self._spare_dir, MAX_SPARES))
+        else:
             extra = {"tier": {"kind": "memory", "rank": self.rank, "world_size": self.world_size, "node": self.node}}
             try:
                 handle = self.saver.save(SaveRequest(path, async_save=True, step=int(step), extra=extra,

@@ -46,9 +46,8 @@ from fsspec import AbstractFileSystem
 from unickpt import IntegrityError, ext
 
 from . import _torchzip
-from ._tree import TENSORS_KEY
 
-__all__ = ["MAGIC", "PENDING_FORMAT", "PROTOCOL", "kind", "write_pack", "open_pack", "staging_dir",
+__all__ = ["MAGIC", "PENDING_FORMAT", "PROTOCOL", "is_pack", "kind", "write_pack", "open_pack", "staging_dir",
            "write_placeholder", "read_placeholder", "placeholder_alive", "wait_placeholder", "temp_name",
            "remove_path", "PackFileSystem"]
 
@@ -57,6 +56,7 @@ _FOOTER = struct.Struct("<QQ")  # index offset, index length (then MAGIC)
 PENDING_FORMAT = "unickpt-lightning-pending"
 PROTOCOL = "unickptpack"
 _MAX_PLACEHOLDER = 1 << 12
+_KEEP_VERIFIED = 64 << 20  # members up to this size are kept once their CRC-32 is checked (read once)
 
 
 def temp_name(path: str) -> str:
@@ -78,6 +78,11 @@ def _local(path: str) -> bool:
 
 def _strip_file(path: str) -> str:
     return path[len("file://"):] if path.startswith("file://") else path
+
+
+def is_pack(head: bytes) -> bool:
+    """Whether ``head`` (a file's first bytes: 64 are enough) starts a pack of either format."""
+    return head.startswith(MAGIC) or _torchzip.is_pack_head(head)
 
 
 def kind(path: str, options: dict | None = None) -> str | None:
@@ -105,7 +110,7 @@ def kind(path: str, options: dict | None = None) -> str | None:
         return "missing"
     except OSError:
         return None
-    if head.startswith(MAGIC) or _torchzip.is_pack_head(head):
+    if is_pack(head):
         return "pack"
     if len(head) > _MAX_PLACEHOLDER or not head.lstrip().startswith(b"{"):
         return None
@@ -331,7 +336,9 @@ def write_pack(path: str, staged: str, options: dict | None, extra: dict | None 
         if ranges[key] is not None:
             records.append((f"{z}/data/{key}", [views[f][o:o + n] for f, o, n in ranges[key]]))
         else:  # a layout that maps onto no byte ranges: a copy of the tensor's bytes
-            tm = metadata["tensors"][metadata.get("aliases", {}).get(f"{TENSORS_KEY}.{fqn}", f"{TENSORS_KEY}.{fqn}")]
+            tm = _torchzip.tensor_meta(metadata, fqn)
+            if tm is None:
+                raise RuntimeError(f"{staged!r}: the checkpoint holds no tensor {fqn!r} that data.pkl names")
             records.append((f"{z}/data/{key}", [_torchzip.assemble(tm, lambda f, o, n: views[f][o:o + n])]))
     records += [(_torchzip.MEMBERS + name, [views[name]]) for name in names if name not in virtual]
     records.append((f"{z}/version", [b"3\n"]))
@@ -417,9 +424,11 @@ class _Pack:
         self.virtual: dict[str, dict] = {}
         self._starts: dict[str, list[int]] = {}
         self._checked: set[str] = set()
+        self._verified: dict[str, bytes] = {}  # small members, as checked (read once)
         try:
             damaged = f"{path!r}: damaged unickpt checkpoint file (truncated or not a pack; {size} bytes)"
-            if _torchzip.is_pack_head(self.pread(0, 64)):  # format 2: a torch.save zip archive
+            head = self.pread(0, 64)
+            if _torchzip.is_pack_head(head):  # format 2: a torch.save zip archive
                 where = _torchzip.read_tail(self.pread(max(0, size - _torchzip.TAIL_BYTES), _torchzip.TAIL_BYTES))
                 if where is None or where[0] + where[1] > size:
                     raise ValueError(damaged)
@@ -429,7 +438,7 @@ class _Pack:
             else:  # format 1: MAGIC | members | index | footer
                 tail = self.pread(max(0, size - _FOOTER.size - len(MAGIC)), _FOOTER.size + len(MAGIC))
                 if size < 2 * len(MAGIC) + _FOOTER.size or tail[_FOOTER.size:] != MAGIC or \
-                        self.pread(0, len(MAGIC)) != MAGIC:
+                        not head.startswith(MAGIC):
                     raise ValueError(damaged)
                 off, length = _FOOTER.unpack(tail[:_FOOTER.size])
             try:
@@ -446,19 +455,26 @@ class _Pack:
 
     def _check(self, member: str) -> None:
         """Check a member record's CRC-32 (format 2; once per open pack): unickpt's checksums cover the
-        tensor bytes, this the metadata and objects. Raises IntegrityError naming the file and member."""
+        tensor bytes, this the metadata and objects. A member of at most :data:`_KEEP_VERIFIED` bytes
+        (the metadata, object files) is kept as read, so its bytes are read once. Raises IntegrityError
+        naming the file and member."""
         entry = self.files[member]
         if len(entry) < 3 or member in self._checked:
             return
         off, size, crc = entry[:3]
-        value, pos = 0, 0
+        keep = size <= _KEEP_VERIFIED
+        value, pos, parts = 0, 0, []
         while pos < size:
             n = min(8 << 20, size - pos)
-            value = zlib.crc32(self.pread(off + pos, n), value)
+            part = self.pread(off + pos, n)  # fewer bytes at a cut file's end: the CRC-32 fails below
+            value = zlib.crc32(part, value)
+            parts += [part] if keep else []
             pos += n
         if value != crc:
             raise IntegrityError(f"{self.path!r}: damaged unickpt checkpoint file: its member {member!r} fails its "
                                  f"CRC-32 (recorded {crc:08x}, read {value:08x})")
+        if keep:
+            self._verified[member] = b"".join(parts)
         self._checked.add(member)
 
     def read(self, member: str, start: int, end: int) -> bytes:
@@ -466,6 +482,9 @@ class _Pack:
         records: zeros between its parts)."""
         if member in self.files:
             self._check(member)
+            kept = self._verified.get(member)
+            if kept is not None:
+                return kept[start:end]
             return self.pread(self.files[member][0] + start, max(0, end - start))
         segments = self.virtual[member]["segments"]  # sorted by file offset, not overlapping
         starts = self._starts.get(member)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import io
 import json
 import pickle
 import struct
@@ -41,7 +42,7 @@ import torch
 from ._tree import TENSOR_TAG, TENSORS_KEY, join
 
 __all__ = ["FOLDER", "PACK_RECORD", "PACK_MAGIC", "TAIL_TAG", "TorchPickle", "pickle_checkpoint", "map_data_files",
-           "write_zip", "Placed", "is_pack_head", "read_tail", "Segments"]
+           "tensor_meta", "write_zip", "Placed", "is_pack_head", "read_tail", "Segments"]
 
 FOLDER = "archive"
 PACK_RECORD = f"{FOLDER}/.unickpt/pack"  # the first record (its name identifies a pack)
@@ -80,6 +81,7 @@ class _Tensor:
         self.storage, self.shape, self.requires_grad, self.parameter = storage, shape, requires_grad, parameter
 
 
+@functools.lru_cache(maxsize=None)
 def _typed_storage_class(dtype: torch.dtype) -> Any:
     """torch.save's storage class of ``dtype`` (``torch.FloatStorage``...), or None (``_rebuild_tensor_v3``)."""
     from torch.storage import _dtype_to_storage_type_map
@@ -104,7 +106,7 @@ class _Pickler(pickle.Pickler):
         if type(obj) is _Storage:
             cls = _typed_storage_class(obj.dtype)
             if cls is None:
-                nbytes = obj.numel * torch.empty(0, dtype=obj.dtype).element_size()
+                nbytes = obj.numel * obj.dtype.itemsize
                 return ("storage", torch.UntypedStorage, obj.key, obj.location, nbytes)
             return ("storage", cls, obj.key, obj.location, obj.numel)
         return None
@@ -161,18 +163,14 @@ def pickle_checkpoint(tree: Any, tensors: dict[str, torch.Tensor]) -> TorchPickl
             stand_ins[flags] = _Tensor(storage, tuple(t.shape), flags[1], flags[2])
         return stand_ins[flags]
 
-    import io
-
     buf = io.BytesIO()
     _Pickler(buf, protocol=2).dump(join(tree, leaf, raw=True))
     return TorchPickle(buf.getvalue(), storages)
 
 
 def _location(device: Any) -> str:
-    """torch.save's location tag of a saved device (``cpu``, ``cuda:0``...)."""
-    if not isinstance(device, str) or device in ("", "meta"):
-        return "cpu"
-    return device if ":" in device or device == "cpu" else f"{device}:0" if device == "cuda" else device
+    """torch.save's location tag of a saved device: ``str(tensor.device)`` (``cpu``, ``cuda:0``...)."""
+    return device if isinstance(device, str) and device not in ("", "meta") else "cpu"
 
 
 # -- unickpt's data files as segments of the tensor records -----------------------------------------------
@@ -186,6 +184,13 @@ class Segments:
     parts: list = field(default_factory=list)
 
 
+def tensor_meta(metadata: dict, fqn: str) -> dict | None:
+    """The ``metadata.json`` entry of the tensor under ``tensors`` named ``fqn`` (through ``aliases``:
+    a tied tensor is stored once), or None."""
+    name = f"{TENSORS_KEY}.{fqn}"
+    return metadata.get("tensors", {}).get(metadata.get("aliases", {}).get(name, name))
+
+
 def map_data_files(metadata: dict, sizes: dict[str, int], storages: dict[str, str],
                    zero_gaps: Any) -> tuple[dict[str, list], dict[str, Segments]]:
     """Where each storage's bytes are in unickpt's data files, from ``metadata`` (``metadata.json``,
@@ -197,13 +202,12 @@ def map_data_files(metadata: dict, sizes: dict[str, int], storages: dict[str, st
     of its first dim; flat ranges), maps onto those byte ranges. Any other layout (none is written by
     the io route today) maps onto nothing: ``records[key]`` is None (the caller copies the tensor's
     bytes into its record) and its data files stay real records."""
-    tensors, aliases = metadata.get("tensors", {}), metadata.get("aliases", {})
+    tensors = metadata.get("tensors", {})
     records: dict[str, Any] = {}
     used: dict[str, list] = {}
     unmapped_files: set[str] = set()
     for key, fqn in storages.items():
-        unickpt_fqn = f"{TENSORS_KEY}.{fqn}"
-        tm = tensors.get(aliases.get(unickpt_fqn, unickpt_fqn))
+        tm = tensor_meta(metadata, fqn)
         ranges = _row_major_ranges(tm) if tm is not None else None
         records[key] = ranges
         if ranges is None:

@@ -209,7 +209,7 @@ class UnickptCheckpointIO(SaveTracker, CheckpointIO):
                 release_io_engine()
 
     def _publisher(self, path: str, staged: str, options: dict | None, step: int | None,
-                   published: list, torch_pickle: TorchPickle | None) -> Callable[[], None]:
+                   published: list, torch_pickle: TorchPickle) -> Callable[[], None]:
         """The ``on_commit`` step of an io-route save: write the pack at ``path`` (``torch.load``
         reads it as the dict ``torch_pickle`` pickled), then collect the data of the earlier pointer
         layout."""

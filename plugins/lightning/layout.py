@@ -20,7 +20,7 @@ from typing import Any
 from unickpt import StateMismatchError, ext, interop
 
 from ._pointers import POINTER_NAME
-from ._torchzip import is_pack_head
+from ._pack import is_pack
 
 __all__ = ["LightningLayout", "LAYOUT", "WRAPPERS", "locate"]
 
@@ -65,9 +65,6 @@ def _full_dict(route: Any) -> str:
             "(ModelParallelStrategy, FSDPStrategy sharded) to move runs between frameworks")
 
 
-_PACK_MAGIC = b"UNICKPT-LPACK-1\n"  # the first bytes of a format 1 pack (``_pack.MAGIC``; no Lightning import here)
-
-
 def locate(path: str, storage: ext.StorageBackend) -> str | None:
     """The checkpoint a Lightning pointer file ``path`` names (the one holding its tensors, for a link), or None
     (entry-point group ``unickpt.locators``). Raises StateMismatchError for a pack (a full-dict ``.ckpt`` of a
@@ -83,7 +80,7 @@ def locate(path: str, storage: ext.StorageBackend) -> str | None:
         storage.read_into(file, [(0, len(head))], memoryview(head), 0)
     except (OSError, ValueError, EOFError):
         return None
-    if bytes(head[:len(_PACK_MAGIC)]) == _PACK_MAGIC or is_pack_head(bytes(head)):
+    if is_pack(bytes(head)):
         raise StateMismatchError(f"{path!r}: " + _full_dict("io"))
     try:
         if size > 1 << 16:
