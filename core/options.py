@@ -167,6 +167,15 @@ class SaveOptions:
             (``rename``, recycling its memory pages) when it holds one that nothing else links, else
             it creates the file. Used only where a rank's data fit one file (``segment_bytes``) and
             with ``writer="thread"``; other saves stage as usual. None: off.
+        safetensors: an fqn prefix (such as ``"model."``): the tensors under it are written as
+            Hugging Face safetensors files in the checkpoint directory, names relative to the prefix:
+            ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` (one per writer, each
+            tensor whole, replicas balanced over their holders) + ``model.safetensors.index.json``;
+            ``from_pretrained`` / ``safetensors.safe_open`` read them, and ``metadata.json`` indexes
+            the same bytes (:mod:`unickpt.format.hf_shards`). A tensor under the prefix that no rank
+            holds whole (sharded) fails the save with ValueError naming it. In overlap snapshots
+            with large tensors no optimizer owns, the snapshot is taken before the call returns.
+            None: off.
 
     Options that shape the plan or the commit (:meth:`plan_key`) must be equal on every rank of a
     save (it raises ValueError otherwise).
@@ -187,6 +196,7 @@ class SaveOptions:
     check_replicas: str | None = None
     partial: bool = False
     in_place: str | None = None
+    safetensors: str | None = None
 
     def with_(self, **changes: Any) -> "SaveOptions":
         """A validated copy with ``changes``. Raises ValueError for unknown fields or bad values."""
@@ -200,7 +210,7 @@ class SaveOptions:
                             "overlap_drain": (bool,), "upload_to": (str, type(None)),
                             "upload_options": (dict, type(None)), "background_nice": (int,), "write_block": (int,),
                             "check_replicas": (str, type(None)), "partial": (bool,),
-                            "in_place": (str, type(None))})
+                            "in_place": (str, type(None)), "safetensors": (str, type(None))})
         opts = self
         if opts.pool_bytes is None and env().pool_bytes is not None:
             opts = replace(opts, pool_bytes=env().pool_bytes)
@@ -219,11 +229,15 @@ class SaveOptions:
             raise ValueError(f"segment_bytes must be positive, got {opts.segment_bytes}")
         if opts.write_block < 4096:
             raise ValueError(f"write_block must be at least 4096, got {opts.write_block}")
+        if opts.safetensors is not None and (not opts.safetensors or opts.partial):
+            raise ValueError(f"safetensors must be a non-empty fqn prefix of a whole (not partial) state, got "
+                             f"{opts.safetensors!r} with partial={opts.partial}")
         return opts
 
     def plan_key(self) -> tuple:
         """The options every rank must share (they shape the plan or the commit)."""
-        return (self.flat_ranges, self.segment_bytes, self.upload_to, self.snapshot, self.check_replicas, self.partial)
+        return (self.flat_ranges, self.segment_bytes, self.upload_to, self.snapshot, self.check_replicas, self.partial,
+                self.safetensors)
 
 
 @dataclass(frozen=True)

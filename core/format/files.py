@@ -8,12 +8,17 @@
       objects/rank_<r>.json  rank r's per-rank state (tagged JSON)
       .unickpt-writer        who is saving into it (host, pid, time): written first, left after the
                              commit (:mod:`unickpt.lifecycle.directory`)
+      model*.safetensors     with ``SaveOptions.safetensors``: the group's tensors, one Hugging Face
+      model.safetensors.index.json   safetensors file per writer, and their index
+                             (:mod:`unickpt.format.hf_shards`)
 
 A directory holding anything else is not a checkpoint directory that unickpt may replace or remove.
 """
 from __future__ import annotations
 
 import re
+
+from .hf_shards import ENTRY_PATTERN
 
 __all__ = ["METADATA_FILE", "DATA_DIR", "OBJECTS_DIR", "INDEX_DIR", "WRITER_FILE", "data_file", "objects_file", "index_file",
            "is_own_entry", "is_partial_entry", "is_own_file", "SUBDIRS"]
@@ -26,9 +31,10 @@ WRITER_FILE = ".unickpt-writer"
 
 _FILES = {DATA_DIR: re.compile(r"^\d+_\d+\.bin$"), OBJECTS_DIR: re.compile(r"^rank_\d+\.json$"),
           INDEX_DIR: re.compile(r"^\d+\.idx$")}
-_TMP = r"metadata\.json\.tmp-[0-9a-f]+"
-_PARTIAL = re.compile(rf"^({DATA_DIR}|{OBJECTS_DIR}|{INDEX_DIR}|{_TMP}|{re.escape(WRITER_FILE)})$")
-_OWN = re.compile(rf"^({DATA_DIR}|{OBJECTS_DIR}|{INDEX_DIR}|metadata\.json|{_TMP}|{re.escape(WRITER_FILE)})$")
+_TMP = r"(metadata|model\.safetensors\.index)\.json\.tmp-[0-9a-f]+"
+_SHARDS = ENTRY_PATTERN
+_PARTIAL = re.compile(rf"^({DATA_DIR}|{OBJECTS_DIR}|{INDEX_DIR}|{_TMP}|{_SHARDS}|{re.escape(WRITER_FILE)})$")
+_OWN = re.compile(rf"^({DATA_DIR}|{OBJECTS_DIR}|{INDEX_DIR}|metadata\.json|{_TMP}|{_SHARDS}|{re.escape(WRITER_FILE)})$")
 
 
 def data_file(rank: int, n: int) -> str:

@@ -36,6 +36,7 @@ from ..dist.p2p import TAG_BITS
 from ..errors import StateMismatchError
 from ..format.dtypes import dtype_to_str, str_to_dtype
 from ..format.files import data_file
+from ..format.hf_shards import SAFETENSORS_DTYPES, header, index_json, shard_name
 from ..geometry import Box, ChunkSpec, EvenSplit, FlatRange, check_exact_cover
 from ..state.flat import FlatState
 from .balance import LeastLoaded
@@ -284,7 +285,7 @@ def _part_count(nbytes: int, holders: int, part_bytes: float) -> int:
     return max(1, min(holders, int(nbytes // max(1.0, part_bytes))))
 
 
-def make_global_plan(plans: list[LocalPlan], *, partial: bool = False) -> GlobalPlan:
+def make_global_plan(plans: list[LocalPlan], *, partial: bool = False, whole: str | None = None) -> GlobalPlan:
     """Deduplicate replicas, assign writers, and check that the shards tile every tensor.
 
     Cost: linear in the entries of the distinct plans (ranks sharing one ``tensors`` dict, see
@@ -296,8 +297,12 @@ def make_global_plan(plans: list[LocalPlan], *, partial: bool = False) -> Global
     holds otherwise, stays one split, O(1) whatever the world; otherwise the declared parts are
     enumerated like any box.
 
+    ``whole``: an fqn prefix whose tensors are written whole, each by one of its holders (never
+    split; ``SaveOptions.safetensors``).
+
     Raises StateMismatchError when ranks disagree on a tensor's dtype or global shape, and
-    ValueError when the shards of a tensor overlap without being identical or leave a gap.
+    ValueError when the shards of a tensor overlap without being identical or leave a gap, or when a
+    tensor under ``whole`` is sharded (no rank holds all of it).
     """
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     first_rank: dict[str, int] = {}
@@ -336,6 +341,13 @@ def make_global_plan(plans: list[LocalPlan], *, partial: bool = False) -> Global
         if fqn in aliases:
             continue
         first, shape = decl[0][0], tensors[fqn][1]  # decoded and detected splits: one object per value
+        if whole is not None and fqn.startswith(whole):  # never a split: its parts are boxes (refused below)
+            for split, rs in decl:
+                for r in rs:
+                    part = split.part(shape, r)
+                    if part is not None:
+                        holders.setdefault((fqn, part), []).append((r,))
+            continue
         if first.parts == world and fqn not in boxed and all(s is first or s == first for s, _ in decl):
             # a split when every rank whose part is not empty declared it (the others hold nothing)
             m = first.nonempty(shape)
@@ -357,6 +369,10 @@ def make_global_plan(plans: list[LocalPlan], *, partial: bool = False) -> Global
         by_fqn[fqn].append(spec)
     for fqn, specs in by_fqn.items():
         check_exact_cover(fqn, tensors[fqn][1], specs, partial=partial)
+        if whole is not None and fqn.startswith(whole) and len(specs) > 1:
+            raise ValueError(f"{fqn!r}: tensors under {whole!r} are written whole into safetensors files "
+                             f"(SaveOptions.safetensors), but no rank holds all of this one: it is saved as "
+                             f"{len(specs)} shards ({specs[0]}, ...); gather it first (a full state dict)")
 
     itemsize = {dt: str_to_dtype(dt).itemsize for dt in {d for d, _ in tensors.values()}}
     split_load = split_bytes_per_rank({f: (sp, tensors[f][1], itemsize[tensors[f][0]]) for f, sp in splits.items()},
@@ -376,7 +392,7 @@ def make_global_plan(plans: list[LocalPlan], *, partial: bool = False) -> Global
     part_bytes = total / world / SPLIT_PARTS_PER_MEAN
     parts = []
     for nbytes, fqn, spec, ranks in replicated:
-        count = _part_count(nbytes, len(ranks), part_bytes)
+        count = 1 if whole is not None and fqn.startswith(whole) else _part_count(nbytes, len(ranks), part_bytes)
         if count == 1:
             parts.append((nbytes, fqn, spec, ranks))
         else:
@@ -470,6 +486,9 @@ class SavePlan:
     ``writes[r]``: rank ``r``'s chunks in file order; ``segments[r]``: its data files
     ``(relative path, bytes)`` (both computed per rank on first use, :class:`LazyRankLists`);
     ``sends[r]``: merge transfers it sends; ``bytes_per_rank[r]``: bytes it writes;
+    ``heads[r]``: per data file, the bytes written before its staged bytes (safetensors headers: chunk
+    offsets are file offsets, past the head); ``hf_index``: ``model.safetensors.index.json``, which
+    group rank 0 writes before the commit (safetensors shards of more than one writer);
     ``splits``: ``fqn -> (EvenSplit, slot)`` of the split tensors (format v2: rank ``k`` writes part
     ``k`` and its index record at ``slot``); ``explicit[r]``: ``(fqn, spec, nbytes)`` of rank ``r``'s
     other chunks, in the order they appear in ``writes[r]`` (what the commit needs of every rank).
@@ -488,6 +507,17 @@ class SavePlan:
     replicas: tuple = ()  # GlobalPlan.replicas
     splits: dict[str, tuple[EvenSplit, int]] = field(default_factory=dict)
     explicit: Sequence[list[tuple[str, ChunkSpec, int]]] = ()
+    heads: Sequence[list[bytes]] = ()
+    hf_index: bytes | None = None
+
+    def head(self, rank: int, segment: int) -> bytes:
+        """The bytes rank ``rank`` writes before the staged bytes of its data file ``segment`` (a
+        safetensors header, :mod:`unickpt.format.hf_shards`; ``b""`` for an ordinary data file)."""
+        return self.heads[rank][segment] if self.heads else b""
+
+    def stream_sizes(self, rank: int) -> list[int]:
+        """Staged bytes of each of rank ``rank``'s data files (the file's size less its head)."""
+        return [n - len(self.head(rank, i)) for i, (_, n) in enumerate(self.segments[rank])]
 
     @property
     def max_mean_bytes(self) -> float:
@@ -504,7 +534,7 @@ def _relative_view(leaf_spec: ChunkSpec | None, spec: ChunkSpec) -> Box | None:
 
 
 def make_save_plan(plans: list[LocalPlan], *, flat_ranges: str = "store", segment_bytes: int = 1 << 30,
-                   partial: bool = False) -> SavePlan:
+                   partial: bool = False, safetensors: str | None = None) -> SavePlan:
     """The global plan plus each rank's files, offsets, fills and sends (deterministic).
 
     Args:
@@ -514,6 +544,10 @@ def make_save_plan(plans: list[LocalPlan], *, flat_ranges: str = "store", segmen
             (a larger chunk gets a file of its own).
         partial: the plans are a part of a job-wide state (a memory-tier copy of one rank's shards,
             :mod:`unickpt.tiers`): shards must not overlap but need not cover their global tensors.
+        safetensors: an fqn prefix: the tensors under it are written whole, each by one holder
+            (least loaded first), into one safetensors file per writer (its first data file, named
+            and headed by :mod:`unickpt.format.hf_shards`, names relative to the prefix), every
+            other tensor into the writers' ordinary data files.
 
     Cost: O(tensors + explicit chunks + world); a rank's files and offsets cost O(its chunks) when
     first asked for (:class:`LazyRankLists`), except that the receivers of merge transfers are laid out at
@@ -524,11 +558,32 @@ def make_save_plan(plans: list[LocalPlan], *, flat_ranges: str = "store", segmen
     if flat_ranges not in ("store", "merge"):
         raise ValueError(f"flat_ranges must be 'store' or 'merge', got {flat_ranges!r}")
     with gc_paused():
-        return _make_save_plan(plans, flat_ranges, segment_bytes, partial)
+        return _make_save_plan(plans, flat_ranges, segment_bytes, partial, safetensors)
 
 
-def _make_save_plan(plans: list[LocalPlan], flat_ranges: str, segment_bytes: int, partial: bool = False) -> SavePlan:
-    gp = make_global_plan(plans, partial=partial)
+def _shard_files(gp: GlobalPlan, prefix: str) -> tuple[dict[int, str], list[str], bytes | None]:
+    """Writer -> its safetensors file name; the group's empty tensors (no chunk: listed in the first
+    writer's header); and the index json (None for one writer)."""
+    for fqn, (dtype, _) in gp.tensors.items():
+        if fqn.startswith(prefix) and dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{fqn!r}: dtype {dtype} has no safetensors name (SaveOptions.safetensors={prefix!r}; "
+                             f"stored as safetensors: {sorted(SAFETENSORS_DTYPES)})")
+    group = [c for c in gp.chunks if c.fqn.startswith(prefix)]
+    written = {c.fqn for c in group}
+    empty = sorted(f for f in gp.tensors if f.startswith(prefix) and f not in written and f not in gp.splits)
+    writers = sorted({c.writer for c in group}) or ([0] if empty else [])
+    names = {w: shard_name(k, len(writers)) for k, w in enumerate(writers)}
+    if len(writers) < 2:
+        return names, empty, None
+    weight_map = {c.fqn[len(prefix):]: names[c.writer] for c in group}
+    weight_map.update({f[len(prefix):]: names[writers[0]] for f in empty})
+    return names, empty, index_json(weight_map, sum(c.nbytes for c in group))
+
+
+def _make_save_plan(plans: list[LocalPlan], flat_ranges: str, segment_bytes: int, partial: bool = False,
+                    safetensors: str | None = None) -> SavePlan:
+    gp = make_global_plan(plans, partial=partial, whole=safetensors)
+    shard_files, empty, hf_index = _shard_files(gp, safetensors) if safetensors is not None else ({}, [], None)
     world = max((p.rank for p in plans), default=0) + 1
     by_rank = {p.rank: p for p in plans}
     guarded_sets: dict[int, frozenset] = {}  # by id of the guarded tuple: ranks sharing a plan share it
@@ -591,27 +646,45 @@ def _make_save_plan(plans: list[LocalPlan], flat_ranges: str, segment_bytes: int
         order = sorted(range(len(items)), key=lambda i: (is_guarded(r, items[i][0]), i >= n, i))
         return [items[i][:3] for i in order]
 
-    layouts: dict[int, tuple[list, list]] = {}  # rank -> (chunks with stream positions, segments)
+    layouts: dict[int, tuple[list, list, list]] = {}  # rank -> (chunks with stream positions, segments, heads)
 
-    def layout(r: int) -> tuple[list, list]:
+    def layout(r: int) -> tuple[list, list, list]:
         got = layouts.get(r)
         if got is not None:
             return got
         chunks: list = []
         segs: list[str] = []
+        heads: dict[int, bytes] = {}
         seg_size = 0
-        for fqn, spec, nbytes, parts, slot in items_of(r):
-            if not segs or (seg_size and seg_size + nbytes > segment_bytes):
+        items = items_of(r)
+        if r in shard_files:  # the safetensors file first, its tensors in header order
+            assert safetensors is not None
+            group = [it for it in items if it[0].startswith(safetensors)]
+            items = [it for it in items if not it[0].startswith(safetensors)]
+            listed = [(fqn, nbytes) for fqn, _, nbytes, _, _ in group]
+            if r == min(shard_files):
+                listed += [(fqn, 0) for fqn in empty]
+            head = heads[0] = header([(fqn[len(safetensors):], gp.tensors[fqn][0], gp.tensors[fqn][1], nbytes)
+                                      for fqn, nbytes in listed])
+            segs.append(shard_files[r])
+            seg_size = len(head)
+            for fqn, spec, nbytes, parts, slot in group:
+                chunks.append((fqn, spec, nbytes, 0, seg_size, parts, slot))
+                seg_size += nbytes
+        fresh = len(segs)  # the other tensors start a data file of their own
+        for fqn, spec, nbytes, parts, slot in items:
+            if len(segs) == fresh or (seg_size and seg_size + nbytes > segment_bytes):
                 segs.append(data_file(r, len(segs)))
                 seg_size = 0
             chunks.append((fqn, spec, nbytes, len(segs) - 1, seg_size, parts, slot))
             seg_size += nbytes
-        sizes = [0] * len(segs)
+        head_of = [heads.get(i, b"") for i in range(len(segs))]
+        sizes = [len(h) for h in head_of]
         for _, _, nbytes, seg, off, _, _ in chunks:
             sizes[seg] = max(sizes[seg], off + nbytes)
-        bases, _ = stream_layout(sizes)
-        got = layouts[r] = ([(fqn, spec, nbytes, seg, off, bases[seg] + off, parts, slot)
-                             for fqn, spec, nbytes, seg, off, parts, slot in chunks], list(zip(segs, sizes)))
+        bases, _ = stream_layout([n - len(h) for n, h in zip(sizes, head_of)])
+        got = layouts[r] = ([(fqn, spec, nbytes, seg, off, bases[seg] + off - len(head_of[seg]), parts, slot)
+                             for fqn, spec, nbytes, seg, off, parts, slot in chunks], list(zip(segs, sizes)), head_of)
         return got
 
     # fills and sends: received parts are cut where the receiver's stream crosses a granule boundary
@@ -645,7 +718,7 @@ def _make_save_plan(plans: list[LocalPlan], flat_ranges: str, segment_bytes: int
     def writes_of(r: int) -> list[WriteChunk]:
         got = finals.get(r)
         if got is None:
-            chunks, segments = layout(r)
+            chunks, segments, _ = layout(r)
             got = finals[r] = [
                 WriteChunk(fqn, spec, nbytes, segments[seg][0], seg, off,
                            tuple(recv_fills.get((r, ci)) or (LocalFill(b, n, view, sb) for b, n, _, sb, view in parts)),
@@ -659,4 +732,5 @@ def _make_save_plan(plans: list[LocalPlan], flat_ranges: str, segment_bytes: int
     del by_rank, guarded_sets
     return SavePlan(gp.tensors, gp.aliases, LazyRankLists(world, writes_of), LazyRankLists(world, lambda r: layout(r)[1]), sends,
                     bytes_per_rank, per_rank_fqns, merged_tensors, index, transfers_bytes, tuple(gp.replicas), splits,
-                    LazyRankLists(world, explicit_of))
+                    LazyRankLists(world, explicit_of), LazyRankLists(world, lambda r: layout(r)[2]) if shard_files else (),
+                    hf_index)

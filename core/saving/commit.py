@@ -38,7 +38,8 @@ import torch
 from ..dist.comm import Comm
 from ..dist.failures import lost_contact
 from ..errors import SaveFailedError
-from ..format.files import INDEX_DIR, METADATA_FILE, data_file, index_file, objects_file
+from ..format.files import INDEX_DIR, METADATA_FILE, index_file, objects_file
+from ..format.hf_shards import INDEX_NAME
 from ..format.index import IndexRecord, encode_index
 from ..format.integrity import CHECKSUM_BLOCK_BYTES, MAX_BLOCKS_PER_CHUNK
 from ..format.metadata import CheckpointMetadata, ChunkMeta, TensorMeta, spec_order
@@ -83,7 +84,7 @@ def build_metadata(plan: SavePlan, results: list[dict], *, world_size: int, skel
         res = results[r]
         for (fqn, spec, nbytes), (digest, blocks, block_bytes), (seg, off) in zip(plan.explicit[r], res["digests"],
                                                                                  res["places"]):
-            chunks[fqn].append(ChunkMeta(spec, data_file(r, seg), off, nbytes, digest, tuple(blocks), block_bytes))
+            chunks[fqn].append(ChunkMeta(spec, plan.segments[r][seg][0], off, nbytes, digest, tuple(blocks), block_bytes))
     tensors = {}
     for fqn, (dtype, shape) in plan.tensors.items():
         if fqn in plan.splits:
@@ -168,6 +169,10 @@ class Committer:
                                       step=req.step, framework=req.framework, run_id=self.run_id, extra=req.extra,
                                       partial=req.options.partial)
                 data = meta.to_json().encode()
+                if plan.hf_index is not None:  # safetensors shards of several writers: their index, before the commit
+                    req.storage.write_atomic(req.storage.join(req.path, INDEX_NAME), plan.hf_index)
+                    if req.options.upload_to is not None:
+                        Uploader.upload_file(req, INDEX_NAME)
                 if req.options.upload_to is not None:
                     Uploader.commit(req, data)
                 CheckpointDir(req.storage, req.path).commit(data)

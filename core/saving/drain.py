@@ -25,6 +25,7 @@ error_text_or_None, timings)`` (at the end).
 """
 from __future__ import annotations
 
+import mmap
 import os
 import queue
 import sys
@@ -52,7 +53,8 @@ class JobSpec:
 
     ``segments``: ``[(path, stream base, size)]`` in stream order; ``chunks``: ``[(stream start,
     nbytes, checksum block bytes or 0)]`` in stream order; ``pool``: which staging ring;
-    ``capacity``: its size in bytes.
+    ``capacity``: its size in bytes; ``heads``: segment -> bytes written before its staged bytes (a
+    safetensors header, a multiple of ``DIRECT_ALIGN`` long: the file is ``head + size`` bytes).
     """
 
     job: int
@@ -64,6 +66,7 @@ class JobSpec:
     write_block: int = 16 << 20
     storage_options: dict | None = None
     in_place: bool = False  # the ring is the (one) data file: nothing to write, only its length to set
+    heads: dict[int, bytes] = field(default_factory=dict)
 
 
 @dataclass
@@ -223,12 +226,13 @@ class HashWriter:
                     break
                 t0 = time.perf_counter()
                 try:
+                    head = spec.heads.get(i, b"")
                     if spec.in_place:
                         self._finish_in_place(state, path, base, size)
                     elif spec.direct and size >= DIRECT_MIN_BYTES and self._storage(path, spec.storage_options).is_local:
-                        self._write_direct(state, path, base, size)
+                        self._write_direct(state, path, base, size, head)
                     else:
-                        self._write_storage(state, path, base, size)
+                        self._write_storage(state, path, base, size, head)
                 except _Abort:
                     break
                 except BaseException as e:
@@ -270,7 +274,7 @@ class HashWriter:
             yield pos, stop
             pos = stop
 
-    def _write_storage(self, state: _JobState, path: str, base: int, size: int) -> None:
+    def _write_storage(self, state: _JobState, path: str, base: int, size: int, head: bytes = b"") -> None:
         spec = state.spec
         ring = self._ring(spec.pool)
         storage = self._storage(path, spec.storage_options)
@@ -281,19 +285,21 @@ class HashWriter:
         wb = _Writeback(storage.strip(path)) if storage.is_local else None
 
         def gen() -> Iterator[Any]:
+            if head:
+                yield head
             for start, stop in self._blocks(state, base, size, 1):
                 for v in _ring_views(ring, spec.capacity, start, stop):
                     yield bytes(v) if own else v
                 self._freed(spec.job, stop)
                 if wb is not None:
-                    wb.written(start - base, stop - start)
+                    wb.written(len(head) + start - base, stop - start)
 
         try:
             storage.write_file(path, gen())
         finally:
             if wb is not None:
                 wb.close()
-        state.timings["bytes_written"] += size
+        state.timings["bytes_written"] += len(head) + size
 
     def _finish_in_place(self, state: _JobState, path: str, base: int, size: int) -> None:
         """In-place staging: the staged bytes are the file already; once they are all checksummed,
@@ -303,19 +309,23 @@ class HashWriter:
         os.truncate(storage.strip(path), size)
         state.timings["bytes_written"] += size
 
-    def _write_direct(self, state: _JobState, path: str, base: int, size: int) -> None:
+    def _write_direct(self, state: _JobState, path: str, base: int, size: int, head: bytes = b"") -> None:
         spec = state.spec
         ring = self._ring(spec.pool)
         end = base + size
         padded_end = base + -(-size // DIRECT_ALIGN) * DIRECT_ALIGN  # the tail block, rounded up
 
         def gen() -> Iterator[Any]:
+            if head:  # DIRECT_ALIGN long; an anonymous mapping is page-aligned, as O_DIRECT wants
+                aligned = mmap.mmap(-1, len(head))
+                aligned[:] = head
+                yield memoryview(aligned)
             for start, stop in self._blocks(state, base, size, DIRECT_ALIGN):
                 yield from _ring_views(ring, spec.capacity, start, padded_end if stop == end else stop)
                 self._freed(spec.job, stop)
 
-        self._storage(path, spec.storage_options).write_file(path, gen(), direct=True, size=size)
-        state.timings["bytes_written"] += size
+        self._storage(path, spec.storage_options).write_file(path, gen(), direct=True, size=len(head) + size)
+        state.timings["bytes_written"] += len(head) + size
 
 
 class _Writeback:

@@ -150,11 +150,12 @@ class SavePipeline:
             pool, stats.pool_wait_s = self._acquire_pool()
             progress.on_failure(pool.abort)
             segments = plan.segments[self.rank]
-            bases, stream_len = stream_layout([n for _, n in segments])
+            heads = [len(plan.head(self.rank, i)) for i in range(len(segments))]
+            bases, stream_len = stream_layout(plan.stream_sizes(self.rank))
             if mine:
                 storage.makedirs(storage.join(task.path, "data"))
             in_place = (opts.in_place is not None and backend.kind == "thread" and storage.is_local
-                        and len(segments) == 1)
+                        and len(segments) == 1 and not any(heads))
             if in_place:  # the ring is the data file: staging writes the checkpoint
                 target = storage.strip(storage.join(task.path, segments[0][0]))
                 take_spare(str(opts.in_place), target)
@@ -167,7 +168,7 @@ class SavePipeline:
             stats.pool_capacity, stats.pool_allocations, stats.pool_index = (pool.capacity_bytes, pool.allocations,
                                                                              pool.index)
             stats.streamed = stream_len > pool.capacity_bytes
-            run = replace(run, pool=pool, in_place=in_place, stream_pos=[bases[c.segment] + c.offset for c in mine],
+            run = replace(run, pool=pool, in_place=in_place, stream_pos=[bases[c.segment] + c.offset - heads[c.segment] for c in mine],
                           staging=StagingGate(opts.overlap_drain), drained=DrainPart([None] * len(mine)))
             backend.attach(pool)  # may raise: then nothing is registered
             run = replace(run, backend=backend)
@@ -195,14 +196,16 @@ class SavePipeline:
         """Register ``run`` with its drain (its pool is reserved, acquired and attached)."""
         assert run.pool is not None and run.backend is not None
         task = run.task
+        plan = run.plan
         segs = [(task.storage.join(task.path, rel), bases[i], n)
-                for i, (rel, n) in enumerate(run.plan.segments[self.rank])]
+                for i, ((rel, _), n) in enumerate(zip(plan.segments[self.rank], plan.stream_sizes(self.rank)))]
+        heads = {i: h for i in range(len(segs)) if (h := plan.head(self.rank, i))}
         chunks = [(pos, c.nbytes, block_size(c.nbytes) if c.nbytes > CHECKSUM_BLOCK_BYTES else 0)
                   for pos, c in zip(run.stream_pos, run.mine)]
         self.events.active[run.seq] = run
         run.backend.start_job(JobSpec(run.seq, run.pool.index, run.pool.capacity_bytes, segs, chunks,
                                       direct=task.options.direct_io, write_block=task.options.write_block,
-                                      storage_options=task.storage_options, in_place=run.in_place))
+                                      storage_options=task.storage_options, in_place=run.in_place, heads=heads))
 
     def stage(self, run: Run) -> None:
         """Save thread: stage the run (what the caller must not change first, then the rest), setting

@@ -144,7 +144,7 @@ class PlanAgreement:
             stats.collectives_plan += 2
             plans = decode_plans(blobs, firsts, table_firsts)
         plan = make_save_plan(plans, flat_ranges=opts.flat_ranges, segment_bytes=opts.segment_bytes,
-                              partial=opts.partial)
+                              partial=opts.partial, safetensors=opts.safetensors)
         if opts.check_replicas != "off":
             self._timed(stats, check, plan, opts.check_replicas == "always")
         self.cache.put(key, plan)

@@ -141,7 +141,8 @@ class Saver:
         progress = SaveProgress()
         clone_limit = min(snapshot_mod.OVERLAP_CLONE_BYTES, self.pipeline.ring_bytes(opts) // 4)
         snap = take_snapshot(state, rank=self.rank, world_size=self.world_size, snapshot_mode=opts.snapshot,
-                             allow_pickle=request.allow_pickle, clone_limit=clone_limit)
+                             allow_pickle=request.allow_pickle, clone_limit=clone_limit,
+                             stream_order_fixed=opts.safetensors is not None)
         if opts_error is not None:
             snap.failed(opts_error, self.rank, tag="options")
         with self._lock:

@@ -95,10 +95,12 @@ class Snapshot:
 
 
 def take_snapshot(state: dict, *, rank: int, world_size: int, snapshot_mode: str, allow_pickle: bool,
-                  clone_limit: int) -> Snapshot:
+                  clone_limit: int, stream_order_fixed: bool = False) -> Snapshot:
     """The caller's part (see the module docstring). Never raises: a failure is recorded in the
     returned snapshot (:meth:`Snapshot.failed`). ``clone_limit``: overlap mode clones at most this
-    many bytes of unguarded tensors."""
+    many bytes of unguarded tensors. ``stream_order_fixed``: the plan cannot put unguarded tensors
+    first (``SaveOptions.safetensors``: the group's file comes first), so an overlap snapshot that
+    would need it is taken before the call returns, as a sync one."""
     snap = Snapshot(must_wait=snapshot_mode == "sync")
     try:
         # the collector paused while the call allocates its few thousand short-lived objects: a
@@ -109,6 +111,8 @@ def take_snapshot(state: dict, *, rank: int, world_size: int, snapshot_mode: str
                 check_leaf_fits(leaf)
             if snapshot_mode == "overlap":
                 _overlap(snap, flat, clone_limit)
+                if stream_order_fixed and snap.must_wait:
+                    snap.guarded, snap.optimizers = frozenset(), []
             local = make_local_plan(flat, rank, snap.guarded, world_size)
             snap.signature = local.signature()
             local.objects_digest = hashlib.blake2b(repr(sorted(flat.objects)).encode(), digest_size=8).hexdigest()

@@ -41,8 +41,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from junit_report import empty_counts, parse_junit  # noqa: E402 - the runners' shared junit reading
 
 __all__ = ["SUITES", "run", "run_suite", "main"]
 
@@ -100,39 +102,6 @@ def _env(mode: str) -> dict[str, str]:
     return env
 
 
-def _nodeid(case: ET.Element) -> str:
-    """pytest's node id from a junit ``testcase`` (classname = dotted module, then classes)."""
-    cls, name = case.get("classname", ""), case.get("name", "")
-    parts = cls.split(".") if cls else []
-    while len(parts) > 1 and parts[-1][:1].isupper():  # trailing test classes
-        parts = parts[:-1]
-    classes = cls.split(".")[len(parts):] if cls else []
-    module = "/".join(parts) + ".py" if parts else case.get("file", "")
-    return "::".join([module, *classes, name])
-
-
-def _parse_junit(xml_path: Path) -> dict:
-    """Per-test outcomes: a test counts once (a failure in the call and an error in its teardown
-    are one failed test), as failed > error > skipped > passed."""
-    rank = {"passed": 0, "skipped": 1, "errors": 2, "failed": 3}
-    outcome: dict[str, str] = {}
-    for case in ET.parse(xml_path).getroot().iter("testcase"):
-        kinds = {child.tag for child in case}
-        kind = ("failed" if "failure" in kinds else "errors" if "error" in kinds else
-                "skipped" if "skipped" in kinds else "passed")
-        nodeid = _nodeid(case)
-        if rank[kind] >= rank[outcome.get(nodeid, "passed")]:
-            outcome[nodeid] = kind
-    out = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failed_tests": [], "passed_tests": []}
-    for nodeid, kind in outcome.items():
-        out[kind] += 1
-        if kind in ("failed", "errors"):
-            out["failed_tests"].append(nodeid)
-        elif kind == "passed":
-            out["passed_tests"].append(nodeid)
-    return out
-
-
 def run_suite(name: str, mode: str, source: str, timeout_s: float | None = None, python: str | None = None,
               extra_args: list[str] | None = None) -> dict:
     """Run suite ``name`` in ``mode`` (``"baseline"`` or ``"unickpt"``) from Lightning sources
@@ -156,9 +125,9 @@ def run_suite(name: str, mode: str, source: str, timeout_s: float | None = None,
         except subprocess.TimeoutExpired as e:
             proc, timed_out = e, True
         if xml_path.is_file():
-            result = _parse_junit(xml_path)
+            result = parse_junit(xml_path)
         else:
-            result = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failed_tests": [], "passed_tests": []}
+            result = empty_counts()
             if not timed_out:
                 tail = (getattr(proc, "stdout", "") or "")[-3000:] + (getattr(proc, "stderr", "") or "")[-3000:]
                 result["errors"] += 1

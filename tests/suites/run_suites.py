@@ -20,6 +20,9 @@ switched on as a user would; counts: ``passed``, ``failed``, ``skipped``, ``erro
   torchrun) with unickpt as the default sharded save strategy; ``--megatron-src``: a folder holding
   Megatron-LM's tests and ``megatron/training`` at the installed version's tag (exported with
   ``git archive``, see that file).
+- ``transformers.py``: transformers' Trainer checkpoint tests (``tests/trainer``) with
+  ``UNICKPT_TRANSFORMERS=1``; ``--transformers-src``: a huggingface/transformers checkout at the
+  installed version's tag.
 
 The sources are fetched by the developer and never committed (see each runner's docstring).
 
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accelerate-src")
     ap.add_argument("--deepspeed-src")
     ap.add_argument("--megatron-src")
+    ap.add_argument("--transformers-src")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows: list[dict] = []
@@ -122,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += compare("deepspeed", args.deepspeed_src)
     if args.megatron_src:
         rows += compare("megatron", args.megatron_src)
+    if args.transformers_src:
+        rows += compare("transformers", args.transformers_src)
     if not rows:
         ap.error("name at least one suite source")
     print(f"\n| suite | baseline passed | with unickpt passed | regressions | accepted differences |")

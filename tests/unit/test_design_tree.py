@@ -18,6 +18,8 @@ SHARED_NAMES = {
     "_activate.py": "a plugin's zero-code activation",
     "layout.py": "a framework's names of training state (an interop Layout), in that framework's plugin",
     "errors.py": "unickpt's typed errors (core), and the same errors as a framework's exception types (plugin)",
+    "_patch.py": "a plugin's replacement of its framework's checkpoint methods (on the framework's class)",
+    "_options.py": "a plugin's options, from keyword arguments or its UNICKPT_<FRAMEWORK>_* variables",
 }
 
 

@@ -36,7 +36,8 @@ def test_accelerate_untouched_without_env_var():
 def test_hooks_come_from_the_entry_points_of_unickpt_distributions(tmp_path):
     # the installed package declares its hooks as entry points (pyproject.toml), read without importlib.metadata
     assert _startup.read_hooks() == {"accelerate": "unickpt.accelerate._activate:startup",
-                                     "deepspeed": "unickpt.deepspeed._activate:startup"}
+                                     "deepspeed": "unickpt.deepspeed._activate:startup",
+                                     "transformers.trainer": "unickpt.transformers._activate:startup"}
     for dist, text in {"unickpt_myfw-1.0.dist-info": "[unickpt.startup]\nmyfw = unickpt_myfw.hook:startup\n"
                                                      "[other.group]\nx = y:z\n",
                        "other_pkg-2.0.dist-info": "[unickpt.startup]\nevil = other_pkg:run\n"}.items():

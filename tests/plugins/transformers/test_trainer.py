@@ -1,0 +1,155 @@
+"""``unickpt.transformers``: Trainer's checkpoints through unickpt, against Trainer's own.
+
+Real Trainer runs (a small random Llama, CPU): in this process for one process, under torchrun
+(gloo DDP) for 2 and 3 processes. What must hold: Trainer's files and names (its own test suite's
+``check_saved_checkpoints`` list), ``from_pretrained`` / ``safetensors`` reading the weights the engine
+wrote, ``save_total_limit`` rotation, the losses of a resumed run equal to the uninterrupted run's (and
+to Trainer's own run's), a resume on 3 processes from a 2-process checkpoint, and the zero-code switch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "trainer_worker.py")
+TRAINER_FILES = ["model.safetensors", "training_args.bin", "optimizer.pt", "scheduler.pt", "trainer_state.json",
+                 "config.json"]  # transformers' tests/trainer/trainer_test_utils.py check_saved_checkpoints
+
+
+def _tiny_trainer(out: str, **kw):
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 256
+
+        def __getitem__(self, i: int) -> dict:
+            x = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": x, "labels": x}
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, tie_word_embeddings=kw.pop("tie", False))
+    args = TrainingArguments(out, report_to=[], use_cpu=True, per_device_train_batch_size=4, seed=0,
+                             disable_tqdm=True, **kw)
+    return Trainer(LlamaForCausalLM(cfg), args, train_dataset=Tokens())
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_one_process_checkpoints_hold_trainers_files_and_the_weights_as_safetensors(tmp_path, tie):
+    import unickpt.transformers as ut
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    trainer = _tiny_trainer(str(tmp_path), save_steps=2, max_steps=6, save_total_limit=2, tie=tie)
+    ut.enable(trainer)
+    try:
+        assert ut.is_enabled(trainer) and not ut.is_enabled()
+        trainer.train()
+    finally:
+        ut.disable(trainer)
+    assert sorted(d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")) == ["checkpoint-4", "checkpoint-6"]
+    for step in (4, 6):
+        ckpt = tmp_path / f"checkpoint-{step}"
+        assert all((ckpt / name).is_file() for name in TRAINER_FILES), sorted(os.listdir(ckpt))
+        assert (ckpt / "metadata.json").is_file()
+        assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == step
+        assert set(torch.load(ckpt / "optimizer.pt", weights_only=True)) == {ut.OPTIMIZER_POINTER}
+    final = tmp_path / "checkpoint-6"
+    live = trainer.model.state_dict()
+    stored = load_file(str(final / "model.safetensors"))
+    expect = {k for k in live if not (tie and k == "lm_head.weight")}  # tied: one copy, as save_pretrained keeps
+    assert set(stored) == expect and all(torch.equal(stored[k], live[k]) for k in expect)
+    loaded = LlamaForCausalLM.from_pretrained(str(final))
+    assert all(torch.equal(v, live[k]) for k, v in loaded.state_dict().items())
+
+
+def test_a_checkpoint_folder_of_an_earlier_run_is_replaced_like_trainer_does(tmp_path):
+    import unickpt.transformers as ut
+
+    stale = tmp_path / "checkpoint-2"
+    stale.mkdir()
+    (stale / "leftover.txt").write_text("from an earlier run")
+    trainer = _tiny_trainer(str(tmp_path), save_steps=2, max_steps=2)
+    ut.enable(trainer)
+    try:
+        trainer.train()
+    finally:
+        ut.disable(trainer)
+    assert not (stale / "leftover.txt").exists() and (stale / "metadata.json").is_file()
+
+
+def _torchrun(nproc: int, out, *args: str, env: dict | None = None) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           WORKER, str(out), *args]
+    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    tag = next((args[i + 1] for i, a in enumerate(args) if a == "--tag"), "")
+    with open(os.path.join(out, f"losses-{tag}{nproc}.json")) as f:
+        return json.load(f)
+
+
+def test_ddp_resume_equals_the_uninterrupted_run_and_reshards_to_three_processes(tmp_path):
+    own = _torchrun(2, tmp_path / "own", "--max-steps", "8", "--save-steps", "4")
+    ours = _torchrun(2, tmp_path / "ours", "--max-steps", "8", "--save-steps", "4", "--unickpt")
+    assert ours["enabled"] and not own["enabled"]
+    assert ours["losses"] == own["losses"]  # saving changes nothing of the run
+    ckpt = tmp_path / "ours" / "checkpoint-4"
+    names = sorted(os.listdir(ckpt))
+    assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+            "rng_state_0.pth", "rng_state_1.pth", "metadata.json"} <= set(names), names
+    for n in (2, 3):  # resume in a fresh output folder that holds the 2-process checkpoint
+        run = tmp_path / f"resume{n}"
+        run.mkdir()
+        shutil.copytree(ckpt, run / "checkpoint-4")
+        got = _torchrun(n, run, "--max-steps", "8", "--save-steps", "2", "--unickpt", "--resume", "last")
+        assert sorted(got["losses"], key=int) == ["5", "6", "7", "8"]
+        if n == 2:
+            assert got["losses"] == {k: v for k, v in ours["losses"].items() if int(k) > 4}
+        assert (run / "checkpoint-8" / f"model-0000{n}-of-0000{n}.safetensors").is_file()
+    # a checkpoint Trainer wrote itself still resumes with unickpt on (Trainer's own loader)
+    run = tmp_path / "from_own"
+    run.mkdir()
+    shutil.copytree(tmp_path / "own" / "checkpoint-4", run / "checkpoint-4")
+    got = _torchrun(2, run, "--max-steps", "8", "--save-steps", "4", "--unickpt", "--resume", "last")
+    assert got["losses"] == {k: v for k, v in own["losses"].items() if int(k) > 4}
+
+
+def test_zero_code_switch_routes_an_unmodified_script(tmp_path):
+    got = _torchrun(1, tmp_path, "--max-steps", "2", "--save-steps", "2", env={"UNICKPT_TRANSFORMERS": "1"})
+    assert not got["enabled"]  # the script did not call enable()
+    assert (tmp_path / "checkpoint-2" / "metadata.json").is_file()
+    assert (tmp_path / "checkpoint-2" / "model.safetensors").is_file()
+
+
+def test_save_only_model_checkpoints_hold_no_optimizer_state_and_resume_as_trainer_does(tmp_path, caplog):
+    import unickpt.transformers as ut
+
+    trainer = _tiny_trainer(str(tmp_path), save_steps=2, max_steps=2, save_only_model=True)
+    ut.enable(trainer)
+    try:
+        trainer.train()
+        ckpt = tmp_path / "checkpoint-2"
+        names = sorted(os.listdir(ckpt))
+        assert "optimizer.pt" not in names and "scheduler.pt" not in names and "model.safetensors" in names
+        meta = json.loads((ckpt / "metadata.json").read_text())
+        assert meta["extra"]["transformers"]["optimizer"] is False
+        assert all(not k.startswith("optimizer") for k in meta["tensors"])
+        again = _tiny_trainer(str(tmp_path / "again"), save_steps=2, max_steps=4, save_only_model=True)
+        ut.enable(again)
+        with caplog.at_level("WARNING", logger="unickpt.transformers"):
+            again.train(resume_from_checkpoint=str(ckpt))
+        assert "save_only_model=True: no optimizer or scheduler state" in caplog.text
+        assert again.state.global_step == 4
+    finally:
+        ut.disable(trainer)

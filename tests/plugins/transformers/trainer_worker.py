@@ -1,0 +1,100 @@
+"""A small Hugging Face Trainer run (a random LlamaForCausalLM on random tokens, CPU, DDP over gloo when
+launched by torchrun), for test_trainer.py and benchmarks/trainer_save.py.
+
+    python trainer_worker.py OUT --max-steps 8 --save-steps 2 [--resume PATH|last] [--unickpt] [--hidden 32]
+
+Writes ``OUT/losses-<tag><world>.json`` (rank 0): the loss and the seconds of every step this run took
+(``on_step_begin`` to ``on_step_end``: with overlap snapshots the optimizer step's wait for a save's copy
+is inside the step after the save), the seconds of each ``Trainer._save_checkpoint`` call, the wall time
+of ``train()`` (which waits for pending saves).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--max-steps", type=int, default=8)
+    ap.add_argument("--save-steps", type=int, default=2)
+    ap.add_argument("--save-total-limit", type=int, default=None)
+    ap.add_argument("--resume", default=None)
+    ap.add_argument("--unickpt", action="store_true")
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--save-only-model", action="store_true")
+    ap.add_argument("--tag", default="")
+    a = ap.parse_args()
+
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    if a.unickpt:
+        import unickpt.transformers
+
+        unickpt.transformers.enable()
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 4096
+
+        def __getitem__(self, i: int) -> dict:
+            x = torch.randint(0, a.vocab, (a.seq,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": x, "labels": x}
+
+    losses: dict[int, float] = {}
+    stalls: list[float] = []
+    step_s: dict[int, float] = {}  # global step -> seconds from on_step_begin to on_step_end
+
+    class Record(TrainerCallback):
+        t0 = 0.0
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses[state.global_step] = float(logs["loss"])
+
+        def on_step_begin(self, args, state, control, **kw):
+            Record.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            step_s[state.global_step] = time.perf_counter() - Record.t0
+
+    class Timed(Trainer):
+        def _save_checkpoint(self, model, trial):
+            t0 = time.perf_counter()
+            super()._save_checkpoint(model, trial)
+            stalls.append(time.perf_counter() - t0)
+
+    torch.manual_seed(0)
+    heads = max(1, a.hidden // 16)
+    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=4 * a.hidden,
+                      num_hidden_layers=a.layers, num_attention_heads=heads, num_key_value_heads=heads)
+    args = TrainingArguments(a.out, save_steps=a.save_steps, max_steps=a.max_steps, save_total_limit=a.save_total_limit,
+                             report_to=[], use_cpu=True, per_device_train_batch_size=a.batch, logging_steps=1,
+                             seed=0, save_only_model=a.save_only_model, ddp_backend="gloo", disable_tqdm=True,
+                             dataloader_num_workers=0, learning_rate=1e-3)
+    trainer = Timed(LlamaForCausalLM(cfg), args, train_dataset=Tokens(), callbacks=[Record()])
+    resume: str | bool | None = a.resume
+    if a.resume == "last":
+        resume = True
+    t_start = time.perf_counter()
+    trainer.train(resume_from_checkpoint=resume)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if trainer.args.process_index == 0:
+        with open(os.path.join(a.out, f"losses-{a.tag}{world}.json"), "w") as f:
+            json.dump({"losses": {str(k): v for k, v in sorted(losses.items())}, "stalls": stalls,
+                       "step_s": {str(k): v for k, v in sorted(step_s.items())}, "enabled": bool(a.unickpt),
+                       "params": sum(p.numel() for p in trainer.model.parameters()),
+                       "train_s": time.perf_counter() - t_start}, f)
+
+
+if __name__ == "__main__":
+    main()
