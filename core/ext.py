@@ -33,6 +33,7 @@ from ._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
     from torch.distributed import ProcessGroup
 
     from .dist.comm import ThisProcess
@@ -312,6 +313,13 @@ class StateTools:
         """``(tensor fqns, per-rank fqns, {object fqn: encoded value})`` of a checkpoint's state tree
         (``CheckpointMetadata.state_tree``)."""
         return _get("unickpt.state.flat", "saved_leaves")(skeleton)
+
+    @staticmethod
+    def optimizer_state(model: nn.Module | None, optimizer: torch.optim.Optimizer) -> object:
+        """``optimizer`` as a stateful leaf keyed by ``model``'s parameter fqns (the layout of an optimizer
+        saved next to its model), for a save or load without the model's weights
+        (:class:`unickpt.state.optimizer.OptimizerState`)."""
+        return _get("unickpt.state.optimizer", "OptimizerState")(model, optimizer)
 
     @staticmethod
     def optimizers_untouched() -> object:

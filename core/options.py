@@ -229,9 +229,9 @@ class SaveOptions:
             raise ValueError(f"segment_bytes must be positive, got {opts.segment_bytes}")
         if opts.write_block < 4096:
             raise ValueError(f"write_block must be at least 4096, got {opts.write_block}")
-        if opts.safetensors is not None and (not opts.safetensors or opts.partial):
-            raise ValueError(f"safetensors must be a non-empty fqn prefix of a whole (not partial) state, got "
-                             f"{opts.safetensors!r} with partial={opts.partial}")
+        if opts.safetensors is not None and (not opts.safetensors.endswith(".") or opts.partial):
+            raise ValueError(f"safetensors must be an fqn prefix ending with '.' (such as 'model.') of a whole (not "
+                             f"partial) state, got {opts.safetensors!r} with partial={opts.partial}")
         return opts
 
     def plan_key(self) -> tuple:

@@ -568,6 +568,12 @@ def _shard_files(gp: GlobalPlan, prefix: str) -> tuple[dict[int, str], list[str]
         if fqn.startswith(prefix) and dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"{fqn!r}: dtype {dtype} has no safetensors name (SaveOptions.safetensors={prefix!r}; "
                              f"stored as safetensors: {sorted(SAFETENSORS_DTYPES)})")
+    for alias, target in gp.aliases.items():  # a tie across the prefix: the files would lack one of the two
+        if alias.startswith(prefix) != target.startswith(prefix):
+            inside, outside = (alias, target) if alias.startswith(prefix) else (target, alias)
+            raise ValueError(f"{inside!r} is the same tensor as {outside!r}, outside {prefix!r} "
+                             f"(SaveOptions.safetensors): stored once, it cannot be in the safetensors files and "
+                             f"out of them; save one of the two names only")
     group = [c for c in gp.chunks if c.fqn.startswith(prefix)]
     written = {c.fqn for c in group}
     empty = sorted(f for f in gp.tensors if f.startswith(prefix) and f not in written and f not in gp.splits)

@@ -25,10 +25,11 @@ import torch
 from torch import nn
 
 import unickpt
+from unickpt import ext
 
 from ._options import Options
 
-__all__ = ["DataLoaderState", "OptimizerState", "Process0State", "build_state", "rng_state", "process0_buffers"]
+__all__ = ["DataLoaderState", "Process0State", "build_state", "rng_state", "process0_buffers"]
 
 
 class DataLoaderState:
@@ -93,32 +94,6 @@ class DataLoaderState:
             if not isinstance(sampler.generator, torch.Generator):
                 sampler.generator = torch.Generator()
             sampler.generator.set_state(torch.frombuffer(bytearray(state["generator"]), dtype=torch.uint8))
-
-
-class OptimizerState:
-    """An optimizer whose model is not in the state (a save hook took the model's weights out):
-    ``get_optimizer_state_dict(model, optimizer)`` / ``set_optimizer_state_dict``, the same fqn-keyed
-    layout the core uses for an optimizer next to its model. With ``model=None`` (no prepared model
-    holds its parameters) the optimizer's own ``state_dict()`` (parameter indices) is used."""
-
-    def __init__(self, model: nn.Module | None, optimizer: torch.optim.Optimizer):
-        self.model = model
-        self.optimizer = optimizer
-
-    def state_dict(self) -> dict:
-        if self.model is None:
-            return self.optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return get_optimizer_state_dict(self.model, self.optimizer)
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.model is None:
-            self.optimizer.load_state_dict(state)
-            return
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        set_optimizer_state_dict(self.model, self.optimizer, state)
 
 
 class Process0State:
@@ -281,7 +256,7 @@ def build_state(accelerator: Any, model_indices: list[int], options: Options, sa
         elif owner is not None and any(owner is m for m in saved_models):
             optimizers[str(i)] = inner  # the core pairs it with its model (and guards it in overlap snapshots)
         else:
-            optimizers[str(i)] = OptimizerState(owner, inner)
+            optimizers[str(i)] = ext.StateTools.optimizer_state(owner, inner)
 
     state: dict[str, Any] = {
         "accelerate": {"step": int(accelerator.step), "iteration": int(accelerator.save_iteration),

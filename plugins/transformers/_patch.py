@@ -17,6 +17,8 @@ engine's background threads write the files and commit (:mod:`unickpt.saving`).
   saves in flight, then Trainer's own code (the weights are real safetensors files).
 - ``_load_optimizer_and_scheduler``: for a unickpt checkpoint, the optimizer state is loaded by
   ``unickpt.load`` (resharded to this run's processes), the scheduler by Trainer's ``torch.load``.
+- ``shutil.rmtree`` of a folder a save is still writing waits for that save first (Trainer removes
+  the last checkpoint at the end of ``train`` under ``save_total_limit=1``).
 - ``train``: waits for the pending saves before it returns (what Trainer's callers see: the
   checkpoints of the run are complete), as does interpreter exit (:mod:`unickpt.teardown`).
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -116,13 +119,88 @@ def _wait_under(path: str, but: str | None = None) -> None:
             time.sleep(0.005)
 
 
+def _rmtree_waiting(rmtree: Any) -> Any:
+    """``shutil.rmtree`` that first waits for this plugin's saves in flight inside the path: Trainer
+    removes a checkpoint folder right after saving it (``save_total_limit=1`` with a best model kept
+    apart, at the end of ``train``), where its own save had completed; an asynchronous save still writes
+    there. Removals by unickpt's own threads do not wait (a failed save removing its own files)."""
+    @functools.wraps(rmtree)
+    def wrapper(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if _tracked and not threading.current_thread().name.startswith("unickpt-"):
+            try:
+                _wait_under(os.fsdecode(os.fspath(path)))
+            except TypeError:  # a file descriptor, or something that is no path
+                pass
+        return rmtree(path, *args, **kwargs)
+
+    wrapper.__unickpt_transformers__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 def is_unickpt_checkpoint(folder: str) -> bool:
-    """Whether ``folder`` (a ``checkpoint-N``) is a committed unickpt checkpoint written by this plugin."""
+    """Whether ``folder`` (a ``checkpoint-N``) is a committed unickpt checkpoint written by this plugin and
+    not overwritten since by Trainer's own save (which leaves ``metadata.json`` in place but replaces
+    ``optimizer.pt``: then Trainer's files are the checkpoint)."""
+    from transformers.trainer import OPTIMIZER_NAME
+
+    from . import OPTIMIZER_POINTER
+
     root = ext.CheckpointDir(ext.open_storage(folder), folder)
     try:
-        return root.read_extra().get("transformers") is not None
+        extra = root.read_extra().get("transformers")
     except Exception:
         return False
+    if extra is None:
+        return False
+    pointer = os.path.join(folder, OPTIMIZER_NAME)
+    if not os.path.exists(pointer):
+        return not extra.get("optimizer")
+    try:
+        return OPTIMIZER_POINTER in torch.load(pointer, map_location="cpu", weights_only=True)
+    except Exception:
+        return False
+
+
+def _unfinished(folder: str) -> bool:
+    """A folder a plugin save was writing when its run stopped: a writer record, no commit, and no save
+    of this process in flight into it."""
+    root = ext.CheckpointDir(ext.open_storage(folder), folder)
+    return (os.path.exists(os.path.join(folder, ext.CheckpointDir.WRITER_NAME)) and not root.is_committed()
+            and not any(f == os.path.abspath(folder) and not h.done() for h, f in _tracked))
+
+
+def _check_finished(folder: str) -> None:
+    """ValueError naming ``folder`` when it is an unfinished save (Trainer would fail on its partial files)."""
+    if _unfinished(folder):
+        raise ValueError(f"{folder!r} is an unfinished unickpt save (its run stopped before the save committed: "
+                         f"no {ext.CheckpointDir.MARKER_NAME}); resume from an earlier checkpoint")
+
+
+def _last_finished_checkpoint(get_last_checkpoint: Any) -> Any:
+    """``transformers.trainer.get_last_checkpoint`` that passes over unfinished saves (newest first),
+    warning about each: ``resume_from_checkpoint=True`` after a crash resumes from the last complete
+    checkpoint, as it does with Trainer's own saves (which are complete when they exist)."""
+    @functools.wraps(get_last_checkpoint)
+    def wrapper(folder: str) -> Any:
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        found = get_last_checkpoint(folder)
+        if found is None or not _unfinished(found):
+            return found
+        numbered = sorted((int(m.group(1)), d) for d in os.listdir(folder)
+                          if (m := re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", d))
+                          and os.path.isdir(os.path.join(folder, d)))
+        for _, name in reversed(numbered):
+            path = os.path.join(folder, name)
+            if _unfinished(path):
+                log.warning("unickpt.transformers: %s is an unfinished save (its run stopped while writing it); "
+                            "resuming from an earlier checkpoint", path)
+                continue
+            return path
+        return None
+
+    wrapper.__unickpt__ = True  # type: ignore[attr-defined]
+    return wrapper
 
 
 # -- save ---------------------------------------------------------------------------------------------
@@ -165,6 +243,7 @@ def _save_checkpoint(trainer: Any, opts: Options, model: Any, trial: Any) -> Non
     engine = ext.engine()
     if engine.rank == 0 and os.path.isdir(output_dir):  # Trainer overwrites a folder of an earlier run
         shutil.rmtree(output_dir)
+    called = time.time()
     module = _unwrapped(trainer)
     state: dict[str, Any] = {"model": module}
     if not args.save_only_model:
@@ -173,10 +252,11 @@ def _save_checkpoint(trainer: Any, opts: Options, model: Any, trial: Any) -> Non
                          framework=FRAMEWORK, options=engine.options.with_(safetensors=GROUP, snapshot=opts.snapshot),
                          extra={"transformers": {"global_step": int(trainer.state.global_step),
                                                  "world_size": engine.world_size,
-                                                 "optimizer": not args.save_only_model}})
+                                                 "optimizer": not args.save_only_model}},
+                         on_commit=lambda: _stamp(output_dir, called))
     if opts.async_save:
-        with _lock:
-            _tracked.append((handle, os.path.abspath(output_dir)))
+        with _lock:  # the finished ones are dropped: their errors are the engine's to report
+            _tracked[:] = [(h, f) for h, f in _tracked if not h.done()] + [(handle, os.path.abspath(output_dir))]
     handle.wait_planned()  # the folder is the save's (made, claimed) before Trainer's files go into it
     if args.should_save:
         _write_model_files(trainer, output_dir, module)
@@ -221,6 +301,18 @@ def _save_checkpoint(trainer: Any, opts: Options, model: Any, trial: Any) -> Non
                                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
 
 
+def _stamp(folder: str, when: float) -> None:
+    """Group rank 0's commit thread: give ``folder`` the modification time of its save call. Trainer's
+    ``save_total_limit`` rotation sorts checkpoint folders by mtime (``use_mtime=True``); the files the
+    background save adds, and its commit, would otherwise make an older folder look newer than one saved
+    after it, and rotation would remove the newest checkpoint. Later writes of Trainer's own small files
+    (before the next save call) keep the order."""
+    try:
+        os.utime(folder, (when, when))
+    except OSError as e:
+        log.warning("unickpt.transformers: could not set the modification time of %s: %s", folder, e)
+
+
 # -- resume -------------------------------------------------------------------------------------------
 def _load_optimizer_and_scheduler(trainer: Any, checkpoint: str) -> None:
     from transformers.trainer import SCHEDULER_NAME, check_torch_load_is_safe, reissue_pt_warnings
@@ -231,13 +323,32 @@ def _load_optimizer_and_scheduler(trainer: Any, checkpoint: str) -> None:
         log.warning("unickpt.transformers: %s was saved with save_only_model=True: no optimizer or scheduler "
                     "state to resume from; they start afresh", checkpoint)
         return
-    # the model comes along (the core names optimizer state by its parameters' fqns): the same bytes
-    # Trainer's _load_from_checkpoint has just read from the safetensors files
-    ext.engine().load(checkpoint, {"model": _unwrapped(trainer), "optimizer": _inner_optimizer(trainer)})
+    # the optimizer state alone, keyed by the model's parameter fqns as it was saved: the weights are
+    # Trainer's _load_from_checkpoint's (the safetensors files, or whatever a user put in their place).
+    # strict=False lets the stored weights be; every key of the optimizer must be there all the same
+    target = {"optimizer": ext.StateTools.optimizer_state(_unwrapped(trainer), _inner_optimizer(trainer))}
+    _check_optimizer_keys(checkpoint, target)
+    ext.engine().load(checkpoint, target, strict=False)
     with warnings.catch_warnings(record=True) as caught:
         check_torch_load_is_safe()
         trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
     reissue_pt_warnings(caught)
+
+
+def _check_optimizer_keys(checkpoint: str, target: dict) -> None:
+    """StateMismatchError naming the optimizer entries of ``target`` that ``checkpoint`` lacks (a load
+    never skips one silently)."""
+    from unickpt import StateMismatchError
+
+    meta = ext.CheckpointDir(ext.open_storage(checkpoint), checkpoint).read_metadata()
+    tensors, per_rank, objects = ext.StateTools.saved_leaves(meta.state_tree)
+    flat = ext.StateTools.flatten(target, for_load=True)
+    wanted = set(flat.tensors) | set(flat.objects)
+    missing = sorted(wanted - tensors - set(objects) - per_rank)
+    if missing:
+        raise StateMismatchError(f"{checkpoint!r}: the optimizer state to resume lacks {len(missing)} entries of this "
+                                 f"run's optimizer: {', '.join(map(repr, missing[:10]))}"
+                                 f"{' ...' if len(missing) > 10 else ''} (another model or optimizer?)")
 
 
 _originals: dict[str, Any] = {}
@@ -276,6 +387,8 @@ def patch_trainer() -> None:
             def method(self: Any, *args: Any, **kwargs: Any) -> Any:
                 if _tracked:
                     wait()
+                if name == "_load_from_checkpoint" and args and isinstance(args[0], str) and options_for(self):
+                    _check_finished(args[0])
                 return orig[name](self, *args, **kwargs)
 
             return method
@@ -293,3 +406,8 @@ def patch_trainer() -> None:
         for name, fn in replaced.items():
             fn.__unickpt__ = True
             setattr(Trainer, name, fn)
+        import transformers.trainer as trainer_module
+
+        trainer_module.get_last_checkpoint = _last_finished_checkpoint(trainer_module.get_last_checkpoint)
+        if not getattr(shutil.rmtree, "__unickpt_transformers__", False):
+            shutil.rmtree = _rmtree_waiting(shutil.rmtree)

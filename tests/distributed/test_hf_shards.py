@@ -131,3 +131,12 @@ def test_data_parallel_save_writes_one_file_per_rank_and_the_index(pool, tmp_pat
 def test_a_sharded_group_tensor_is_refused_by_name(pool, tmp_path):
     out = pool(2).run(w.save_sharded, str(tmp_path))
     assert all("'model.w'" in o and "no rank holds all of this one" in o for o in out), out
+
+
+def test_a_tie_across_the_prefix_and_a_prefix_without_a_dot_are_refused(tmp_path):
+    t = torch.randn(4, 4)
+    for state in ({"a": {"x": t}, "model": {"y": t}}, {"model": {"y": t}, "a": {"x": t}}):
+        with pytest.raises(ValueError, match=r"is the same tensor as .* outside 'model\.'"):
+            unickpt.save(tmp_path / "tie", state, options=SaveOptions(safetensors="model."))
+    with pytest.raises(ValueError, match=r"safetensors must be an fqn prefix ending with '\.'.*got 'model'"):
+        SaveOptions(safetensors="model").validated()

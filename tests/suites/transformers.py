@@ -21,7 +21,8 @@ Suites (files missing from the checkout are left out: the checkpoint tests moved
 - ``transformers-trainer-checkpointing``: ``tests/trainer/test_trainer_checkpointing.py`` and
   ``tests/trainer/test_trainer_resume.py``;
 - ``transformers-trainer``: ``tests/trainer/test_trainer.py -k "checkpoint or resume or save"``;
-- ``transformers-trainer-callback``: ``tests/trainer/test_trainer_callback.py -k "checkpoint or save or resume"``.
+- ``transformers-trainer-callback``: ``tests/trainer/test_trainer_callback.py -k "checkpoint or save or
+  resume or Stateful"`` (with the stateful callbacks saved in ``trainer_state.json`` and restored on resume).
 
 Each runs as one pytest subprocess (rootdir and cwd the checkout, junit XML for per-test outcomes)
 under a per-suite timeout (``UNICKPT_SUITE_TIMEOUT_S``, default 1800 s), on the CPU
@@ -49,7 +50,7 @@ SUITES: dict[str, tuple[list[str], str | None]] = {
     "transformers-trainer-checkpointing": (["tests/trainer/test_trainer_checkpointing.py",
                                             "tests/trainer/test_trainer_resume.py"], None),
     "transformers-trainer": (["tests/trainer/test_trainer.py"], "checkpoint or resume or save"),
-    "transformers-trainer-callback": (["tests/trainer/test_trainer_callback.py"], "checkpoint or save or resume"),
+    "transformers-trainer-callback": (["tests/trainer/test_trainer_callback.py"], "checkpoint or save or resume or Stateful"),
 }
 ACCEPTED: dict[str, str] = {}  # node-id fragment -> why it cannot pass with unickpt (none known yet)
 MODES = ("baseline", "unickpt")

@@ -153,3 +153,127 @@ def test_save_only_model_checkpoints_hold_no_optimizer_state_and_resume_as_train
         assert again.state.global_step == 4
     finally:
         ut.disable(trainer)
+
+
+def test_resume_loads_the_optimizer_alone_when_the_weights_files_were_replaced(tmp_path):
+    """Trainer's own test_resume_training_with_shard_checkpoint re-shards a checkpoint's weights: the
+    resume reads the weights through Trainer and only the optimizer state through unickpt."""
+    import unickpt.transformers as ut
+    from transformers import LlamaForCausalLM
+
+    full = _tiny_trainer(str(tmp_path / "full"), save_steps=2, max_steps=4)
+    ut.enable(full)
+    try:
+        full.train()
+        ckpt = tmp_path / "full" / "checkpoint-2"
+        weights = LlamaForCausalLM.from_pretrained(str(ckpt))
+        os.remove(ckpt / "model.safetensors")
+        weights.save_pretrained(str(ckpt), max_shard_size="20KB")
+        assert not (ckpt / "model.safetensors").exists() and (ckpt / "model.safetensors.index.json").is_file()
+        resumed = _tiny_trainer(str(tmp_path / "resumed"), save_steps=2, max_steps=4)
+        ut.enable(resumed)
+        resumed.train(resume_from_checkpoint=str(ckpt))
+    finally:
+        ut.disable(full)
+    assert all(torch.equal(a, b) for a, b in zip(full.model.state_dict().values(), resumed.model.state_dict().values()))
+
+
+def test_removing_a_folder_a_save_still_writes_waits_for_the_save(tmp_path):
+    """Trainer removes the last checkpoint at the end of train() under save_total_limit=1 (a best
+    model kept apart) with shutil.rmtree, right after saving it."""
+    import shutil as sh
+
+    import unickpt
+    import unickpt.transformers as ut
+    from unickpt.transformers import _patch
+
+    ut.enable(_tiny_trainer(str(tmp_path / "unused"), max_steps=1))  # installs the patches
+    target = tmp_path / "checkpoint-9"
+    state = {"model": {f"w{i}": torch.randn(1024, 1024) for i in range(48)}}  # 192 MiB
+    handle = unickpt.save(target, state, async_save=True)
+    _patch._tracked.append((handle, os.path.abspath(target)))
+    try:
+        sh.rmtree(target)
+        assert handle.done() and handle.outcome() is None and not target.exists()
+    finally:
+        handle.wait()
+        ut.disable()
+
+
+def test_rotation_keeps_the_newest_checkpoint_when_an_older_save_commits_late(tmp_path, monkeypatch):
+    """save_total_limit sorts folders by mtime: a late commit of an older save must not make it look
+    newer than the folder saved after it (which rotation would then remove)."""
+    import time
+
+    import unickpt.transformers as ut
+    from unickpt.lifecycle import directory
+
+    commit = directory.CheckpointDir.commit
+
+    def slow_commit(self, *args, **kwargs):  # slow storage: each commit lands 1.2 s after the writes
+        time.sleep(1.2)
+        return commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(directory.CheckpointDir, "commit", slow_commit)
+    trainer = _tiny_trainer(str(tmp_path), save_steps=1, max_steps=3, save_total_limit=1)
+    ut.enable(trainer)
+    try:
+        trainer.train()
+    finally:
+        ut.disable(trainer)
+    assert sorted(d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")) == ["checkpoint-3"]
+    assert (tmp_path / "checkpoint-3" / "metadata.json").is_file()
+
+
+def test_a_resume_passes_over_an_unfinished_save_and_names_it_when_asked_for(tmp_path, caplog):
+    import unickpt.transformers as ut
+
+    trainer = _tiny_trainer(str(tmp_path), save_steps=2, max_steps=2)
+    ut.enable(trainer)
+    try:
+        trainer.train()
+    finally:
+        ut.disable(trainer)
+    crashed = tmp_path / "checkpoint-4"  # what a run killed while saving step 4 leaves: files, no commit
+    shutil.copytree(tmp_path / "checkpoint-2", crashed)
+    os.remove(crashed / "metadata.json")
+    again = _tiny_trainer(str(tmp_path), save_steps=2, max_steps=3)
+    ut.enable(again)
+    try:
+        with caplog.at_level("WARNING", logger="unickpt.transformers"):
+            again.train(resume_from_checkpoint=True)
+        assert f"{crashed} is an unfinished save" in caplog.text and again.state.global_step == 3
+        explicit = _tiny_trainer(str(tmp_path / "x"), max_steps=5)
+        ut.enable(explicit)
+        with pytest.raises(ValueError, match=r"checkpoint-4' is an unfinished unickpt save"):
+            explicit.train(resume_from_checkpoint=str(crashed))
+    finally:
+        ut.disable(again)
+
+
+def test_a_folder_trainer_saved_over_is_resumed_from_trainers_files(tmp_path):
+    """Trainer's own save into a folder of a plugin save overwrites the files but leaves metadata.json:
+    the optimizer state is then Trainer's optimizer.pt, not the stale unickpt one."""
+    import unickpt.transformers as ut
+    from unickpt.transformers._patch import is_unickpt_checkpoint
+
+    first = _tiny_trainer(str(tmp_path), save_steps=2, max_steps=2, learning_rate=1e-2)
+    ut.enable(first)
+    try:
+        first.train()
+    finally:
+        ut.disable(first)
+    ckpt = tmp_path / "checkpoint-2"
+    assert is_unickpt_checkpoint(str(ckpt))
+    _tiny_trainer(str(tmp_path), save_steps=2, max_steps=2, learning_rate=1e-3).train()  # Trainer's own save
+    assert (ckpt / "metadata.json").is_file() and not is_unickpt_checkpoint(str(ckpt))
+    own = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    resumed = _tiny_trainer(str(tmp_path / "r"), save_steps=2, max_steps=2, learning_rate=1e-3)
+    ut.enable(resumed)
+    try:
+        resumed.create_optimizer_and_scheduler(num_training_steps=2)
+        resumed._load_optimizer_and_scheduler(str(ckpt))
+    finally:
+        ut.disable(resumed)
+    got = resumed.optimizer.state_dict()
+    assert all(torch.equal(got["state"][i]["exp_avg"], own["state"][i]["exp_avg"]) for i in own["state"])
