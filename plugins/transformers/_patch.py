@@ -400,12 +400,17 @@ def patch_trainer() -> None:
                 wait()
             return result
 
-        replaced = {"_save_checkpoint": _save_checkpoint_, "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler_,
-                    "_load_from_checkpoint": waiting("_load_from_checkpoint"), "_load_rng_state": waiting("_load_rng_state"),
-                    "_load_best_model": waiting("_load_best_model"), "train": train}
-        for name, fn in replaced.items():
+        load_from, load_rng, load_best = (waiting("_load_from_checkpoint"), waiting("_load_rng_state"),
+                                          waiting("_load_best_model"))
+        replaced: tuple[Any, ...] = (_save_checkpoint_, _load_optimizer_and_scheduler_, load_from, load_rng, load_best, train)
+        for fn in replaced:
             fn.__unickpt__ = True
-            setattr(Trainer, name, fn)
+        Trainer._save_checkpoint = _save_checkpoint_  # type: ignore[method-assign]
+        Trainer._load_optimizer_and_scheduler = _load_optimizer_and_scheduler_  # type: ignore[method-assign]
+        Trainer._load_from_checkpoint = load_from  # type: ignore[method-assign]
+        Trainer._load_rng_state = load_rng  # type: ignore[method-assign]
+        Trainer._load_best_model = load_best  # type: ignore[method-assign]
+        Trainer.train = train  # type: ignore[method-assign]
         import transformers.trainer as trainer_module
 
         trainer_module.get_last_checkpoint = _last_finished_checkpoint(trainer_module.get_last_checkpoint)
