@@ -141,6 +141,12 @@ def is_unickpt_checkpoint(folder: str) -> bool:
     """Whether ``folder`` (a ``checkpoint-N``) is a committed unickpt checkpoint written by this plugin and
     not overwritten since by Trainer's own save (which leaves ``metadata.json`` in place but replaces
     ``optimizer.pt``: then Trainer's files are the checkpoint)."""
+    return _plugin_extra(folder) is not None
+
+
+def _plugin_extra(folder: str) -> dict | None:
+    """The plugin's record in ``folder``'s ``metadata.json`` (``extra["transformers"]``), or None where
+    :func:`is_unickpt_checkpoint` is false."""
     from transformers.trainer import OPTIMIZER_NAME
 
     from . import OPTIMIZER_POINTER
@@ -149,16 +155,16 @@ def is_unickpt_checkpoint(folder: str) -> bool:
     try:
         extra = root.read_extra().get("transformers")
     except Exception:
-        return False
-    if extra is None:
-        return False
+        return None
+    if not isinstance(extra, dict):
+        return None
     pointer = os.path.join(folder, OPTIMIZER_NAME)
     if not os.path.exists(pointer):
-        return not extra.get("optimizer")
+        return None if extra.get("optimizer") else extra
     try:
-        return OPTIMIZER_POINTER in torch.load(pointer, map_location="cpu", weights_only=True)
+        return extra if OPTIMIZER_POINTER in torch.load(pointer, map_location="cpu", weights_only=True) else None
     except Exception:
-        return False
+        return None
 
 
 def _unfinished(folder: str) -> bool:
@@ -314,11 +320,10 @@ def _stamp(folder: str, when: float) -> None:
 
 
 # -- resume -------------------------------------------------------------------------------------------
-def _load_optimizer_and_scheduler(trainer: Any, checkpoint: str) -> None:
+def _load_optimizer_and_scheduler(trainer: Any, checkpoint: str, extra: dict) -> None:
+    """Resume ``trainer``'s optimizer and scheduler from ``checkpoint`` (``extra``: its plugin record)."""
     from transformers.trainer import SCHEDULER_NAME, check_torch_load_is_safe, reissue_pt_warnings
 
-    _wait_under(checkpoint)
-    extra = ext.CheckpointDir(ext.open_storage(checkpoint), checkpoint).read_extra().get("transformers", {})
     if not extra.get("optimizer"):  # save_only_model: as Trainer does without optimizer.pt / scheduler.pt
         log.warning("unickpt.transformers: %s was saved with save_only_model=True: no optimizer or scheduler "
                     "state to resume from; they start afresh", checkpoint)
@@ -378,8 +383,9 @@ def patch_trainer() -> None:
         def _load_optimizer_and_scheduler_(self: Any, checkpoint: str | None) -> None:
             if checkpoint is not None and options_for(self) is not None:
                 _wait_under(checkpoint)
-                if is_unickpt_checkpoint(checkpoint):
-                    return _load_optimizer_and_scheduler(self, checkpoint)
+                extra = _plugin_extra(checkpoint)
+                if extra is not None:
+                    return _load_optimizer_and_scheduler(self, checkpoint, extra)
             return orig["_load_optimizer_and_scheduler"](self, checkpoint)
 
         def waiting(name: str) -> Any:

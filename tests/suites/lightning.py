@@ -36,7 +36,6 @@ The file is named after the framework; import it by path (as ``run_suites.py`` d
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -44,7 +43,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from junit_report import empty_counts, parse_junit  # noqa: E402 - the runners' shared junit reading
+from junit_report import print_counts, run_pytest  # noqa: E402 - the runners' shared junit reading
 
 __all__ = ["SUITES", "run", "run_suite", "main"]
 
@@ -119,23 +118,7 @@ def run_suite(name: str, mode: str, source: str, timeout_s: float | None = None,
                f"--basetemp={Path(tmp) / 'pytest'}", *(str(tests / f) for f in SUITES[name]), *(extra_args or [])]
         work = Path(tmp) / "cwd"  # not the source tree: a logger writing "memory://x" makes a ./memory: folder,
         work.mkdir()  # which Lightning's conftest reports as an artifact left in its tests folder
-        try:
-            proc = subprocess.run(cmd, cwd=work, env=_env(mode), capture_output=True, text=True, timeout=timeout_s)
-            timed_out = False
-        except subprocess.TimeoutExpired as e:
-            proc, timed_out = e, True
-        if xml_path.is_file():
-            result = parse_junit(xml_path)
-        else:
-            result = empty_counts()
-            if not timed_out:
-                tail = (getattr(proc, "stdout", "") or "")[-3000:] + (getattr(proc, "stderr", "") or "")[-3000:]
-                result["errors"] += 1
-                result["failed_tests"].append(f"<pytest produced no report: {tail.strip()}>")
-        if timed_out:
-            result["errors"] += 1
-            result["failed_tests"].append(f"<suite timeout after {timeout_s:.0f} s>")
-    return result
+        return run_pytest(cmd, work, _env(mode), xml_path, timeout_s)
 
 
 def run(mode: str, source: str) -> dict:
@@ -159,14 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     _ensure_test_deps(sys.executable)
     result = {name: run_suite(name, args.mode, args.source) for name in (args.suite or SUITES)}
-    for name, r in result.items():  # noqa: B007
-        print(f"{name} [{args.mode}]: {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped, "
-              f"{r['errors']} errors")
-        for t in r["failed_tests"]:
-            why = next((reason for frag, reason in ACCEPTED.items() if frag in t), None)
-            print(f"    FAILED {t}" + (f"  [accepted with unickpt: {why}]" if why and args.mode == "unickpt" else ""))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    print_counts(result, args.mode, ACCEPTED, args.json)
     return 0
 
 

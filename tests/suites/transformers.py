@@ -34,15 +34,13 @@ decides (``RUN_SLOW`` unset: skipped).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from junit_report import empty_counts, parse_junit  # noqa: E402 - the runners' shared junit reading
+from junit_report import empty_counts, print_counts, run_pytest  # noqa: E402 - the runners' shared junit reading
 
 __all__ = ["SUITES", "ACCEPTED", "run", "run_suite", "main"]
 
@@ -83,20 +81,7 @@ def run_suite(name: str, mode: str, source: str, timeout_s: float | None = None)
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", f"--junitxml={xml_path}",
                "-o", "junit_family=xunit2", "--rootdir", str(root), f"--basetemp={Path(tmp) / 'pytest'}",
                *(["-k", keyword] if keyword else []), *present]
-        try:
-            proc = subprocess.run(cmd, cwd=root, env=_env(mode), capture_output=True, text=True, timeout=timeout_s)
-            timed_out = False
-        except subprocess.TimeoutExpired as e:
-            proc, timed_out = e, True  # type: ignore[assignment]
-        result = parse_junit(xml_path) if xml_path.is_file() else empty_counts()
-        if not xml_path.is_file() and not timed_out:
-            tail = (proc.stdout or "")[-3000:] + (proc.stderr or "")[-3000:]
-            result["errors"] += 1
-            result["failed_tests"].append(f"<pytest produced no report: {tail.strip()}>")
-        if timed_out:
-            result["errors"] += 1
-            result["failed_tests"].append(f"<suite timeout after {timeout_s:.0f} s>")
-    return result
+        return run_pytest(cmd, root, _env(mode), xml_path, timeout_s)
 
 
 def run(mode: str, source: str) -> dict:
@@ -113,14 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suite", action="append", choices=sorted(SUITES), help="only these suites (repeatable)")
     args = ap.parse_args(argv)
     result = {name: run_suite(name, args.mode, args.source) for name in (args.suite or SUITES)}
-    for name, r in result.items():
-        print(f"{name} [{args.mode}]: {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped, "
-              f"{r['errors']} errors")
-        for t in r["failed_tests"]:
-            why = next((reason for frag, reason in ACCEPTED.items() if frag in t), None)
-            print(f"    FAILED {t}" + (f"  [accepted with unickpt: {why}]" if why and args.mode == "unickpt" else ""))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    print_counts(result, args.mode, ACCEPTED, args.json)
     return 0
 
 

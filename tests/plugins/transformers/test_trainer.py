@@ -25,6 +25,17 @@ TRAINER_FILES = ["model.safetensors", "training_args.bin", "optimizer.pt", "sche
                  "config.json"]  # transformers' tests/trainer/trainer_test_utils.py check_saved_checkpoints
 
 
+def _train_with_unickpt(trainer, **train_kwargs):
+    """``trainer.train(**train_kwargs)`` with the plugin enabled for this trainer only."""
+    import unickpt.transformers as ut
+
+    ut.enable(trainer)
+    try:
+        return trainer.train(**train_kwargs)
+    finally:
+        ut.disable(trainer)
+
+
 def _tiny_trainer(out: str, **kw):
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
@@ -74,17 +85,11 @@ def test_one_process_checkpoints_hold_trainers_files_and_the_weights_as_safetens
 
 
 def test_a_checkpoint_folder_of_an_earlier_run_is_replaced_like_trainer_does(tmp_path):
-    import unickpt.transformers as ut
-
     stale = tmp_path / "checkpoint-2"
     stale.mkdir()
     (stale / "leftover.txt").write_text("from an earlier run")
     trainer = _tiny_trainer(str(tmp_path), save_steps=2, max_steps=2)
-    ut.enable(trainer)
-    try:
-        trainer.train()
-    finally:
-        ut.disable(trainer)
+    _train_with_unickpt(trainer)
     assert not (stale / "leftover.txt").exists() and (stale / "metadata.json").is_file()
 
 
@@ -205,7 +210,6 @@ def test_rotation_keeps_the_newest_checkpoint_when_an_older_save_commits_late(tm
     newer than the folder saved after it (which rotation would then remove)."""
     import time
 
-    import unickpt.transformers as ut
     from unickpt.lifecycle import directory
 
     commit = directory.CheckpointDir.commit
@@ -216,11 +220,7 @@ def test_rotation_keeps_the_newest_checkpoint_when_an_older_save_commits_late(tm
 
     monkeypatch.setattr(directory.CheckpointDir, "commit", slow_commit)
     trainer = _tiny_trainer(str(tmp_path), save_steps=1, max_steps=3, save_total_limit=1)
-    ut.enable(trainer)
-    try:
-        trainer.train()
-    finally:
-        ut.disable(trainer)
+    _train_with_unickpt(trainer)
     assert sorted(d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")) == ["checkpoint-3"]
     assert (tmp_path / "checkpoint-3" / "metadata.json").is_file()
 
@@ -229,11 +229,7 @@ def test_a_resume_passes_over_an_unfinished_save_and_names_it_when_asked_for(tmp
     import unickpt.transformers as ut
 
     trainer = _tiny_trainer(str(tmp_path), save_steps=2, max_steps=2)
-    ut.enable(trainer)
-    try:
-        trainer.train()
-    finally:
-        ut.disable(trainer)
+    _train_with_unickpt(trainer)
     crashed = tmp_path / "checkpoint-4"  # what a run killed while saving step 4 leaves: files, no commit
     shutil.copytree(tmp_path / "checkpoint-2", crashed)
     os.remove(crashed / "metadata.json")
@@ -258,11 +254,7 @@ def test_a_folder_trainer_saved_over_is_resumed_from_trainers_files(tmp_path):
     from unickpt.transformers._patch import is_unickpt_checkpoint
 
     first = _tiny_trainer(str(tmp_path), save_steps=2, max_steps=2, learning_rate=1e-2)
-    ut.enable(first)
-    try:
-        first.train()
-    finally:
-        ut.disable(first)
+    _train_with_unickpt(first)
     ckpt = tmp_path / "checkpoint-2"
     assert is_unickpt_checkpoint(str(ckpt))
     _tiny_trainer(str(tmp_path), save_steps=2, max_steps=2, learning_rate=1e-3).train()  # Trainer's own save
