@@ -6,7 +6,8 @@ layout, a checkpoint source, a conversion) and this module, nothing else of the 
 
 - **engines**: :func:`engine` gives the :class:`EngineHandle` of a process group (save, load, wait,
   in-flight paths, the group's rank, and collectives on the caller's thread; :meth:`EngineHandle.existing`
-  the default group's if it exists); :func:`new_engine` a private one the plugin closes itself;
+  the default group's if it exists; :meth:`EngineHandle.watch_removal`: ``shutil.rmtree`` of a folder an
+  async save still writes waits for it); :func:`new_engine` a private one the plugin closes itself;
   :data:`THIS_PROCESS` is a group of this process alone, and :func:`load_solo` loads in this process
   alone without any engine.
 - **checkpoint tiers** (docs/tiers.md): :func:`memory_tiers` gives a :class:`TiersHandle`: a memory
@@ -133,6 +134,27 @@ class EngineHandle:
     def configure(self, **options: object) -> SaveOptions:
         """Change the group's default save options (fields of :class:`~unickpt.SaveOptions`)."""
         return self._engine.configure(**options)
+
+    @staticmethod
+    def watch_removal(handle: SaveHandle) -> None:
+        """Make ``shutil.rmtree`` of ``handle.path`` (or of a folder around or inside it) wait for this
+        async save (:mod:`unickpt.removal`; the first call replaces ``shutil.rmtree``): a framework's
+        checkpoint is complete when its save call returns, and callers remove it right afterwards."""
+        removal = importlib.import_module("unickpt.removal")
+        removal.install()
+        removal.watch(handle)
+
+    @staticmethod
+    def wait_under(path: str, but: str | None = None) -> None:
+        """Block until no save given to :meth:`watch_removal` still writes into ``path``, inside it or
+        around it (``but``: except the save into that directory). The saves' errors are not raised here."""
+        _get("unickpt.removal", "wait_under")(path, but)
+
+    @staticmethod
+    def watched_pending(path: str | None = None) -> bool:
+        """True while a save given to :meth:`watch_removal` has not finished (``path``: one writing into
+        ``path``, inside it or around it)."""
+        return _get("unickpt.removal", "pending")(path)
 
     @staticmethod
     def existing() -> EngineHandle | None:

@@ -20,7 +20,7 @@ import re
 
 from .hf_shards import ENTRY_PATTERN
 
-__all__ = ["METADATA_FILE", "DATA_DIR", "OBJECTS_DIR", "INDEX_DIR", "WRITER_FILE", "data_file", "objects_file", "index_file",
+__all__ = ["is_safetensors_entry", "METADATA_FILE", "DATA_DIR", "OBJECTS_DIR", "INDEX_DIR", "WRITER_FILE", "data_file", "objects_file", "index_file",
            "is_own_entry", "is_partial_entry", "is_own_file", "SUBDIRS"]
 
 METADATA_FILE = "metadata.json"
@@ -55,6 +55,15 @@ def index_file(rank: int) -> str:
 def is_own_entry(name: str) -> bool:
     """Whether a save writes an entry of this name directly in a checkpoint directory."""
     return bool(_OWN.match(name))
+
+
+_SHARD_ENTRY = re.compile(rf"^({_SHARDS})$")
+
+
+def is_safetensors_entry(name: str) -> bool:
+    """True for the name of a Hugging Face safetensors file of ``SaveOptions.safetensors``
+    (``model.safetensors``, ``model-0000k-of-0000n.safetensors``, ``model.safetensors.index.json``)."""
+    return _SHARD_ENTRY.match(name) is not None
 
 
 def is_partial_entry(name: str) -> bool:

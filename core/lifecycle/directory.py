@@ -35,7 +35,8 @@ import time
 from typing import Any, Callable
 
 from ..errors import CheckpointExistsError, UnickptError
-from ..format.files import METADATA_FILE, SUBDIRS, WRITER_FILE, is_own_entry, is_own_file, is_partial_entry
+from ..format.files import (METADATA_FILE, SUBDIRS, WRITER_FILE, is_own_entry, is_own_file, is_partial_entry,
+                            is_safetensors_entry)
 from ..format.metadata import FORMAT_NAME, CheckpointMetadata, read_extra, read_metadata
 from ..storage.base import StorageBackend
 
@@ -418,6 +419,41 @@ class CheckpointDir:
     def leftover_reason(self, older: bool, in_flight: Callable[[str], bool] | None = None) -> str | None:
         """Why it is a leftover retention removes, or None: :func:`leftover_reason`."""
         return leftover_reason(self.storage, self.path, older, in_flight)
+
+    def link_safetensors(self, dest: str) -> list[str]:
+        """Hard-link this committed checkpoint's Hugging Face safetensors files (``SaveOptions.safetensors``:
+        ``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``)
+        into the local folder ``dest``, so that tools reading a framework's folder (``from_pretrained``,
+        ``safetensors.torch.load_file(dest + "/model.safetensors")``) read them: no byte is copied, and
+        the names stay valid when this checkpoint is removed later. Each name replaces the one in ``dest``
+        atomically (a link to a temporary name, then ``os.replace``), the index last; then the names of
+        that pattern in ``dest`` that this checkpoint lacks (an earlier save with another number of
+        writers) are removed. Returns the linked names, sorted (empty when the save wrote none).
+
+        Raises FileNotFoundError when the checkpoint is not committed, ValueError when it or ``dest`` is
+        not on the local file system, OSError when the file system refuses hard links (another device).
+        """
+        if not self.storage.is_local:
+            raise ValueError(f"{self.path}: linking safetensors files needs a local checkpoint")
+        if "://" in dest and not dest.startswith("file://"):
+            raise ValueError(f"{dest}: linking safetensors files needs a local folder")
+        source = self.storage.strip(self.path)
+        dest = self.storage.strip(dest)
+        names = sorted(n for n in self.files(with_marker=False) if is_safetensors_entry(n))
+        names.sort(key=lambda n: n.endswith(".json"))  # the index after the files it names
+        for name in names:
+            tmp = os.path.join(dest, f".{name}.tmp-{os.getpid()}")
+            if os.path.lexists(tmp):
+                os.remove(tmp)
+            os.link(os.path.join(source, name), tmp)
+            os.replace(tmp, os.path.join(dest, name))
+        for name in os.listdir(dest):
+            if is_safetensors_entry(name) and name not in names:
+                try:
+                    os.remove(os.path.join(dest, name))
+                except FileNotFoundError:
+                    pass
+        return sorted(names)
 
     # -- removal -------------------------------------------------------------------------------------
     def uncommit(self) -> None:

@@ -37,7 +37,7 @@ from ..errors import StateMismatchError
 from ..format.dtypes import dtype_to_str, str_to_dtype
 from ..format.files import data_file
 from ..format.hf_shards import SAFETENSORS_DTYPES, header, index_json, shard_name
-from ..geometry import Box, ChunkSpec, EvenSplit, FlatRange, check_exact_cover
+from ..geometry import Box, ChunkSpec, EvenSplit, FlatRange, byte_runs, check_exact_cover
 from ..state.flat import FlatState
 from .balance import LeastLoaded
 from .merge import merge_ranges
@@ -297,12 +297,12 @@ def make_global_plan(plans: list[LocalPlan], *, partial: bool = False, whole: st
     holds otherwise, stays one split, O(1) whatever the world; otherwise the declared parts are
     enumerated like any box.
 
-    ``whole``: an fqn prefix whose tensors are written whole, each by one of its holders (never
-    split; ``SaveOptions.safetensors``).
+    ``whole``: an fqn prefix whose tensors are never split (``SaveOptions.safetensors``): a replicated
+    one is written by one of its holders; a sharded one keeps its shards as chunks here, and the
+    execution plan gathers them into one writer's file (:func:`_gather_writers`).
 
     Raises StateMismatchError when ranks disagree on a tensor's dtype or global shape, and
-    ValueError when the shards of a tensor overlap without being identical or leave a gap, or when a
-    tensor under ``whole`` is sharded (no rank holds all of it).
+    ValueError when the shards of a tensor overlap without being identical or leave a gap.
     """
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     first_rank: dict[str, int] = {}
@@ -369,10 +369,6 @@ def make_global_plan(plans: list[LocalPlan], *, partial: bool = False, whole: st
         by_fqn[fqn].append(spec)
     for fqn, specs in by_fqn.items():
         check_exact_cover(fqn, tensors[fqn][1], specs, partial=partial)
-        if whole is not None and fqn.startswith(whole) and len(specs) > 1:
-            raise ValueError(f"{fqn!r}: tensors under {whole!r} are written whole into safetensors files "
-                             f"(SaveOptions.safetensors), but no rank holds all of this one: it is saved as "
-                             f"{len(specs)} shards ({specs[0]}, ...); gather it first (a full state dict)")
 
     itemsize = {dt: str_to_dtype(dt).itemsize for dt in {d for d, _ in tensors.values()}}
     split_load = split_bytes_per_rank({f: (sp, tensors[f][1], itemsize[tensors[f][0]]) for f, sp in splits.items()},
@@ -561,9 +557,60 @@ def make_save_plan(plans: list[LocalPlan], *, flat_ranges: str = "store", segmen
         return _make_save_plan(plans, flat_ranges, segment_bytes, partial, safetensors)
 
 
-def _shard_files(gp: GlobalPlan, prefix: str) -> tuple[dict[int, str], list[str], bytes | None]:
+def _gather_writers(gp: GlobalPlan, prefix: str, world: int) -> dict[str, tuple[int, int]]:
+    """The group's sharded tensors (several chunks: DTensor shards, FSDP flat ranges, split parts), each
+    gathered whole into one writer's safetensors file: ``fqn -> (writer, nbytes)``. Largest first, each to
+    the rank with the fewest group bytes so far (whole tensors of one holder counted first; ties: the
+    lowest rank), so the safetensors files stay balanced; computed alike on every rank (no collective)."""
+    count: dict[str, int] = {}
+    for c in gp.chunks:
+        if c.fqn.startswith(prefix):
+            count[c.fqn] = count.get(c.fqn, 0) + 1
+    load = [0] * world
+    sizes: dict[str, int] = {}
+    for c in gp.chunks:
+        if c.fqn.startswith(prefix):
+            if count[c.fqn] == 1:
+                load[c.writer] += c.nbytes
+            else:
+                sizes[c.fqn] = sizes.get(c.fqn, 0) + c.nbytes
+    out: dict[str, tuple[int, int]] = {}
+    for fqn, nbytes in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
+        writer = min(range(world), key=lambda r: (load[r], r))
+        load[writer] += nbytes
+        out[fqn] = (writer, nbytes)
+    return out
+
+
+def _gather_parts(fqn: str, shape: tuple[int, ...], itemsize: int, chunks: list[PlannedChunk],
+                  leaf_specs: dict[int, ChunkSpec | EvenSplit | None]) -> tuple[tuple, ...]:
+    """``(byte offset in the whole tensor, nbytes, source rank, byte offset in the source's leaf, view)`` of
+    every storage-contiguous run of ``chunks`` (they tile the tensor), in the whole tensor's row-major
+    order: what a gathering writer copies (its own runs) or receives (the others'). A box's runs follow its
+    row-major order in its holder's local tensor (``view``: the box inside the holder's leaf, None when the
+    leaf is the box); a flat range is one run."""
+    full = Box((0,) * len(shape), tuple(shape))
+    parts: list[tuple] = []
+    for c in chunks:
+        if isinstance(c.spec, FlatRange):
+            parts.append((c.spec.start * itemsize, c.spec.length * itemsize, c.writer, 0, None))
+            continue
+        leaf = leaf_specs.get(c.writer)
+        view = None if isinstance(leaf, EvenSplit) else _relative_view(leaf, c.spec)
+        if view is not None:  # a send reads its leaf from byte 0: the chunk must be the whole leaf
+            raise ValueError(f"{fqn!r}: rank {c.writer} holds {leaf}, of which only {c.spec} is to be gathered "
+                             "into the safetensors file (SaveOptions.safetensors); a shard must be gathered whole")
+        src = 0
+        for start, n in byte_runs(full, c.spec, itemsize):
+            parts.append((start, n, c.writer, src, view))
+            src += n
+    return tuple(sorted(parts, key=lambda p: p[0]))
+
+
+def _shard_files(gp: GlobalPlan, prefix: str,
+                 gathered: dict[str, tuple[int, int]]) -> tuple[dict[int, str], list[str], bytes | None]:
     """Writer -> its safetensors file name; the group's empty tensors (no chunk: listed in the first
-    writer's header); and the index json (None for one writer)."""
+    writer's header); and the index json (None for one writer). ``gathered``: :func:`_gather_writers`."""
     for fqn, (dtype, _) in gp.tensors.items():
         if fqn.startswith(prefix) and dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"{fqn!r}: dtype {dtype} has no safetensors name (SaveOptions.safetensors={prefix!r}; "
@@ -574,23 +621,26 @@ def _shard_files(gp: GlobalPlan, prefix: str) -> tuple[dict[int, str], list[str]
             raise ValueError(f"{inside!r} is the same tensor as {outside!r}, outside {prefix!r} "
                              f"(SaveOptions.safetensors): stored once, it cannot be in the safetensors files and "
                              f"out of them; save one of the two names only")
-    group = [c for c in gp.chunks if c.fqn.startswith(prefix)]
-    written = {c.fqn for c in group}
+    group = [(c.fqn, c.writer, c.nbytes) for c in gp.chunks if c.fqn.startswith(prefix) and c.fqn not in gathered]
+    group += [(fqn, writer, nbytes) for fqn, (writer, nbytes) in gathered.items()]
+    written = {fqn for fqn, _, _ in group}
     empty = sorted(f for f in gp.tensors if f.startswith(prefix) and f not in written and f not in gp.splits)
-    writers = sorted({c.writer for c in group}) or ([0] if empty else [])
+    writers = sorted({w for _, w, _ in group}) or ([0] if empty else [])
     names = {w: shard_name(k, len(writers)) for k, w in enumerate(writers)}
     if len(writers) < 2:
         return names, empty, None
-    weight_map = {c.fqn[len(prefix):]: names[c.writer] for c in group}
+    weight_map = {fqn[len(prefix):]: names[w] for fqn, w, _ in group}
     weight_map.update({f[len(prefix):]: names[writers[0]] for f in empty})
-    return names, empty, index_json(weight_map, sum(c.nbytes for c in group))
+    return names, empty, index_json(weight_map, sum(n for _, _, n in group))
 
 
 def _make_save_plan(plans: list[LocalPlan], flat_ranges: str, segment_bytes: int, partial: bool = False,
                     safetensors: str | None = None) -> SavePlan:
     gp = make_global_plan(plans, partial=partial, whole=safetensors)
-    shard_files, empty, hf_index = _shard_files(gp, safetensors) if safetensors is not None else ({}, [], None)
     world = max((p.rank for p in plans), default=0) + 1
+    gathered = _gather_writers(gp, safetensors, world) if safetensors is not None else {}
+    shard_files, empty, hf_index = (_shard_files(gp, safetensors, gathered) if safetensors is not None
+                                    else ({}, [], None))
     by_rank = {p.rank: p for p in plans}
     guarded_sets: dict[int, frozenset] = {}  # by id of the guarded tuple: ranks sharing a plan share it
     guards: dict[int, frozenset] = {}  # rank -> its guarded fqns (only ranks with some): what the lazy
@@ -617,6 +667,13 @@ def _make_save_plan(plans: list[LocalPlan], flat_ranges: str, segment_bytes: int
         chunks = by_fqn[fqn]
         dtype, shape = gp.tensors[fqn]
         itemsize = str_to_dtype(dtype).itemsize
+        if fqn in gathered:  # a sharded safetensors tensor: whole, in one writer's file, its shards received
+            writer, nbytes = gathered[fqn]
+            parts = _gather_parts(fqn, shape, itemsize, chunks,
+                                  {c.writer: by_rank[c.writer].tensors[fqn][2] for c in chunks})
+            merged.setdefault(writer, []).append((fqn, Box((0,) * len(shape), tuple(shape)), nbytes, parts, -1))
+            merged_tensors += 1
+            continue
         ranges = [(c.spec.start, c.spec.length, c.writer) for c in chunks if isinstance(c.spec, FlatRange)]
         if flat_ranges == "merge" and len(ranges) == len(chunks):
             merged_tensors += 1
@@ -647,9 +704,13 @@ def _make_save_plan(plans: list[LocalPlan], flat_ranges: str, segment_bytes: int
         return [items[i] for i in order]
 
     def explicit_of(r: int) -> list[tuple[str, ChunkSpec, int]]:
+        """Rank r's explicit chunks (not parts of split tensors) in the order of ``writes_of(r)``."""
         items = todo.get(r, []) + merged.get(r, [])
         n = len(todo.get(r, []))
         order = sorted(range(len(items)), key=lambda i: (is_guarded(r, items[i][0]), i >= n, i))
+        if r in shard_files:  # its safetensors file first, as layout() writes it
+            assert safetensors is not None
+            order.sort(key=lambda i: not items[i][0].startswith(safetensors))  # stable: the order within each
         return [items[i][:3] for i in order]
 
     layouts: dict[int, tuple[list, list, list]] = {}  # rank -> (chunks with stream positions, segments, heads)

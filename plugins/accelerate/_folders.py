@@ -5,7 +5,10 @@ Layout (Accelerate's own naming is kept, so users and tools that know ``checkpoi
     <output_dir>/                      the folder given to (or chosen by) ``save_state``
       unickpt/                         a unickpt checkpoint root (``unickpt ls`` lists it)
         step_<K>/metadata.json ...     one save into this folder (K = 0, 1, ... for repeated saves)
+        step_<K>/model*.safetensors    the first model's weights as Hugging Face safetensors files
         latest                         "step_<K>", the newest committed save in this folder
+      model.safetensors                hard links to step_<K>'s, made when it commits (several writers:
+                                       model-0000k-of-0000n.safetensors + model.safetensors.index.json)
       <files the user's save hooks wrote>
 
 With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` the folders are
@@ -28,7 +31,7 @@ import time
 from unickpt import ext
 
 __all__ = ["STORE_DIR", "store_root", "is_unickpt_folder", "folder_kind", "committed", "checkpoint_folders",
-           "newest_number", "newest_loadable", "rotate", "remove_failed", "next_step", "wait_for_writer"]
+           "newest_number", "newest_loadable", "rotate", "remove_failed", "next_step", "wait_for_writer", "link_weights"]
 
 log = logging.getLogger("unickpt.accelerate")
 
@@ -142,6 +145,20 @@ def remove_failed(output_dir: str) -> bool:
     shutil.rmtree(output_dir)
     log.info("unickpt.accelerate: removed %s, the folder of a failed save", output_dir)
     return True
+
+
+def link_weights(root: str, step: int, output_dir: str) -> list[str]:
+    """Group rank 0's commit thread, after save ``step`` of the unickpt root ``root`` committed: hard-link
+    its ``model.safetensors`` files (``model-0000k-of-0000n.safetensors`` + index with several writers)
+    into the Accelerate folder ``output_dir``, where Accelerate's own ``save_state`` puts
+    ``model.safetensors`` (``ext.CheckpointDir.link_safetensors``). A failure is logged, not raised: the
+    checkpoint itself is committed and loads. Returns the linked names."""
+    try:
+        return ext.CheckpointRoot(root).dir(step).link_safetensors(output_dir)
+    except (OSError, ValueError) as e:
+        log.warning("unickpt.accelerate: could not link the model.safetensors files of %s into %s: %s",
+                    root, output_dir, e)
+        return []
 
 
 def _busy(path: str, in_flight) -> bool:

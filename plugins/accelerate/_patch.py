@@ -19,7 +19,6 @@ import atexit
 import functools
 import logging
 import os
-import shutil
 import threading
 import time
 import weakref
@@ -109,6 +108,7 @@ _tracked: list[tuple[Any, str]] = []  # (SaveHandle, Accelerate folder) of async
 def _track(handle: Any, folder: str) -> None:
     with _lock:  # emptied by the next save_state / load_state / wait()
         _tracked.append((handle, os.path.abspath(folder)))
+    ext.EngineHandle.watch_removal(handle)  # removing the folder right after save_state waits for the save
 
 
 def _target_removed(handle: Any, folder: str) -> bool:
@@ -131,43 +131,6 @@ def _wait_tracked() -> None:
             handle.error_reported = True  # not raised later
             log.warning("unickpt.accelerate: the save into %s did not complete: the folder was removed while "
                         "the save was being written (%s)", folder, str(error).splitlines()[0])
-
-
-def _overlaps(removed: str, save_dir: str) -> bool:
-    return save_dir == removed or save_dir.startswith(removed + os.sep) or removed.startswith(save_dir + os.sep)
-
-
-def _wait_for_saves_under(path: Any) -> None:
-    """Block until no save of this process still writes inside ``path`` (or into a folder ``path`` is
-    inside). Errors are not raised here: they are the save's, reported by the next wait."""
-    try:
-        removed = os.path.abspath(os.fsdecode(os.fspath(path)))
-    except TypeError:  # a file descriptor, or something that is no path
-        return
-    with _lock:
-        busy = [h for h, _ in _tracked if not h.done() and _overlaps(removed, os.path.abspath(h.path))]
-    for handle in busy:
-        while not handle.done():
-            time.sleep(0.005)
-
-
-_rmtree = shutil.rmtree
-
-
-@functools.wraps(_rmtree)
-def _rmtree_after_saves(path: Any, *args: Any, **kwargs: Any) -> Any:
-    """``shutil.rmtree`` that first waits for this process's saves in flight inside ``path``.
-
-    With Accelerate a checkpoint is complete when ``save_state`` returns, so removing its folder (or
-    the project directory, or a ``tempfile.TemporaryDirectory`` around it) right afterwards removes
-    the whole checkpoint. An asynchronous unickpt save still writes there; without waiting, the
-    removal would race the writer (``Directory not empty``, or a folder brought back by the writer).
-    Paths that hold no save in flight are removed at once, and so are removals made by unickpt's own
-    threads (a failed save's commit thread removing what it wrote: waiting there for the save would
-    wait for itself)."""
-    if _tracked and not threading.current_thread().name.startswith("unickpt-"):
-        _wait_for_saves_under(path)
-    return _rmtree(path, *args, **kwargs)
 
 
 def _checkpoints_dir(acc: Any) -> str:
@@ -246,11 +209,21 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
             _folders.rotate(checkpoints_dir, total, keep, engine.in_flight)
 
         after = rotate
-    # the unickpt root inside this Accelerate folder keeps its newest committed save only, then runs the
-    # total_limit rotation on group rank 0
-    ckpt = Checkpointer(_folders.store_root(output_dir), keep_last=1, on_commit=after,
+    # the unickpt root inside this Accelerate folder keeps its newest committed save only; at each commit,
+    # group rank 0 links its model.safetensors files into the folder, then runs the total_limit rotation
+    group = _safetensors_group(acc, indices, safe_serialization)
+    link_root = _folders.store_root(output_dir)
+
+    def committed(step: int) -> None:
+        if group is not None:
+            _folders.link_weights(link_root, step, output_dir)
+        if after is not None:
+            after(step)
+
+    ckpt = Checkpointer(link_root, keep_last=1, on_commit=committed,
                         allow_pickle=opts.allow_pickle or not safe_serialization, framework=FRAMEWORK,
-                        on_error=opts.on_error)
+                        on_error=opts.on_error,
+                        save_options=None if group is None else engine.options.with_(safetensors=group))
     step: int | None = None
     try:
         state = build_state(acc, indices, opts, saving=True)  # collective on several processes
@@ -273,6 +246,25 @@ def _save_state(acc: Any, opts: Options, output_dir: str | None, safe_serializat
         _track(handle, output_dir)
     acc.project_configuration.iteration += 1
     return Path(output_dir)
+
+
+def _safetensors_group(acc: Any, indices: list[int], safe_serialization: bool) -> str | None:
+    """The fqn prefix of the weights written as ``model.safetensors`` (``"models.0."``: the first model,
+    the one Accelerate's own ``save_state`` names ``model.safetensors``), or None where Accelerate's own
+    save writes no ``model.safetensors``: ``safe_serialization=False``, a save hook took the first model out,
+    and FSDP with a state dict type other than ``FULL_STATE_DICT`` (``SHARDED_STATE_DICT`` writes
+    ``pytorch_model_fsdp_<i>/``: the weights stay sharded in unickpt's files, no gather). Sharded weights
+    (FSDP ``FULL_STATE_DICT``, a model ``fully_shard``-ed by hand) are gathered whole, each into one
+    process's file, by the save itself (point to point, in the background)."""
+    from accelerate.utils import DistributedType
+
+    if not safe_serialization or 0 not in indices:
+        return None
+    if acc.distributed_type == DistributedType.FSDP:
+        kind = acc.state.fsdp_plugin.state_dict_type
+        if not str(getattr(kind, "name", kind)).endswith("FULL_STATE_DICT"):
+            return None
+    return "models.0."
 
 
 def _rotate_at_return(engine: Any, handle: Any, checkpoints_dir: str, limit: int, output_dir: str) -> None:
@@ -511,7 +503,4 @@ def patch_accelerate() -> None:
         for fn in (save_state, load_state, end_training):
             fn.__unickpt__ = True  # type: ignore[attr-defined]
         Accelerator.save_state, Accelerator.load_state, Accelerator.end_training = save_state, load_state, end_training
-        # removing a folder right after save_state removes the whole checkpoint; a wrapper of shutil.rmtree set on
-        # purpose (functools.wraps copies its avoids_symlink_attacks, which typeshed's _RmtreeType requires)
-        shutil.rmtree = _rmtree_after_saves  # type: ignore[assignment]
         atexit.register(_wait_quietly)

@@ -224,6 +224,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     ckpt.client_state = dict(client_state or {})
     if cfg.async_save:
         ckpt.add_pending(handle, CheckpointCommitInfo(tag=tag, save_dir=save_dir, save_latest=save_latest))
+        ext.EngineHandle.watch_removal(handle)  # shutil.rmtree(save_dir) right after the call waits for it
     return True
 
 

@@ -22,9 +22,14 @@ engine's background threads write the files and commit (:mod:`unickpt.saving`).
 - ``train``: waits for the pending saves before it returns (what Trainer's callers see: the
   checkpoints of the run are complete), as does interpreter exit (:mod:`unickpt.teardown`).
 
-Trainers under DeepSpeed, FSDP, XLA or SageMaker model parallelism, PEFT models (adapter-only
-checkpoints) and ``save_on_each_node`` (a full copy per node, no shared storage) keep Trainer's own
-methods.
+Under FSDP2 the same save runs on the DTensor shards: each weight is gathered whole into one process's
+safetensors file by the save itself (point to point, in the background), and a resume or the best-model
+load reads each process's shards back by byte range (``unickpt.load``: any number of processes), where
+Trainer's own loader would look for its FSDP files. Trainers under DeepSpeed keep Trainer's own methods,
+and their DeepSpeed engine's checkpoint goes through :mod:`unickpt.deepspeed` (``train`` adds
+``"unickpt": {"enabled": true}`` to the DeepSpeed config unless it has a ``"unickpt"`` block). Trainers
+under FSDP1, XLA or SageMaker model parallelism, PEFT models (adapter-only checkpoints) and
+``save_on_each_node`` (a full copy per node, no shared storage) keep Trainer's own methods and files.
 """
 from __future__ import annotations
 
@@ -54,13 +59,18 @@ GROUP = "model."  # the fqn prefix of the weights: their safetensors names are t
 _lock = threading.Lock()
 _global: Options | None = None
 _scoped: "weakref.WeakKeyDictionary[Any, Options | None]" = weakref.WeakKeyDictionary()
-_tracked: list[tuple[Any, str]] = []  # (SaveHandle, checkpoint folder) of saves not waited for yet
+
+
+def _fsdp2(trainer: Any) -> bool:
+    """Whether ``trainer`` runs under FSDP2 (``fully_shard``: DTensor parameters)."""
+    return bool(trainer.is_fsdp_enabled) and getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2
 
 
 def _supported(trainer: Any) -> bool:
     from transformers.trainer import _is_peft_model, is_sagemaker_mp_enabled, is_torch_xla_available
 
-    return not (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or is_torch_xla_available()
+    fsdp1 = trainer.is_fsdp_enabled and not _fsdp2(trainer)
+    return not (trainer.is_deepspeed_enabled or fsdp1 or is_torch_xla_available()
                 or is_sagemaker_mp_enabled() or _is_peft_model(trainer.model) or trainer.args.save_on_each_node)
 
 
@@ -101,40 +111,9 @@ def disable(trainer: Any = None) -> None:
 
 def wait() -> None:
     """See :func:`unickpt.transformers.wait`."""
-    with _lock:
-        _tracked[:] = [(h, f) for h, f in _tracked if not h.done()]
     engine = ext.EngineHandle.existing()
     if engine is not None:
         engine.wait()
-
-
-def _wait_under(path: str, but: str | None = None) -> None:
-    """Block until no save of this process writes into ``path`` or a folder inside it (``but``: except
-    the save into that folder). Errors are the save's, raised by the next :func:`wait` or save."""
-    path = os.path.abspath(path)
-    with _lock:
-        busy = [h for h, f in _tracked if not h.done() and f != but and (f == path or f.startswith(path + os.sep))]
-    for handle in busy:
-        while not handle.done():
-            time.sleep(0.005)
-
-
-def _rmtree_waiting(rmtree: Any) -> Any:
-    """``shutil.rmtree`` that first waits for this plugin's saves in flight inside the path: Trainer
-    removes a checkpoint folder right after saving it (``save_total_limit=1`` with a best model kept
-    apart, at the end of ``train``), where its own save had completed; an asynchronous save still writes
-    there. Removals by unickpt's own threads do not wait (a failed save removing its own files)."""
-    @functools.wraps(rmtree)
-    def wrapper(path: Any, *args: Any, **kwargs: Any) -> Any:
-        if _tracked and not threading.current_thread().name.startswith("unickpt-"):
-            try:
-                _wait_under(os.fsdecode(os.fspath(path)))
-            except TypeError:  # a file descriptor, or something that is no path
-                pass
-        return rmtree(path, *args, **kwargs)
-
-    wrapper.__unickpt_transformers__ = True  # type: ignore[attr-defined]
-    return wrapper
 
 
 def is_unickpt_checkpoint(folder: str) -> bool:
@@ -172,7 +151,7 @@ def _unfinished(folder: str) -> bool:
     of this process in flight into it."""
     root = ext.CheckpointDir(ext.open_storage(folder), folder)
     return (os.path.exists(os.path.join(folder, ext.CheckpointDir.WRITER_NAME)) and not root.is_committed()
-            and not any(f == os.path.abspath(folder) and not h.done() for h, f in _tracked))
+            and not ext.EngineHandle.watched_pending(folder))
 
 
 def _check_finished(folder: str) -> None:
@@ -245,7 +224,7 @@ def _save_checkpoint(trainer: Any, opts: Options, model: Any, trial: Any) -> Non
         trainer.store_flos()
     run_dir = trainer._get_output_dir(trial=trial)
     output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
-    _wait_under(output_dir)  # an earlier save into this very folder
+    ext.EngineHandle.wait_under(output_dir)  # an earlier save into this very folder
     engine = ext.engine()
     if engine.rank == 0 and os.path.isdir(output_dir):  # Trainer overwrites a folder of an earlier run
         shutil.rmtree(output_dir)
@@ -261,8 +240,7 @@ def _save_checkpoint(trainer: Any, opts: Options, model: Any, trial: Any) -> Non
                                                  "optimizer": not args.save_only_model}},
                          on_commit=lambda: _stamp(output_dir, called))
     if opts.async_save:
-        with _lock:  # the finished ones are dropped: their errors are the engine's to report
-            _tracked[:] = [(h, f) for h, f in _tracked if not h.done()] + [(handle, os.path.abspath(output_dir))]
+        ext.EngineHandle.watch_removal(handle)  # shutil.rmtree of the folder, and this plugin's reads of it, wait for the save
     handle.wait_planned()  # the folder is the save's (made, claimed) before Trainer's files go into it
     if args.should_save:
         _write_model_files(trainer, output_dir, module)
@@ -298,11 +276,11 @@ def _save_checkpoint(trainer: Any, opts: Options, model: Any, trial: Any) -> Non
         trainer.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
 
     if args.push_to_hub:
-        _wait_under(output_dir)
+        ext.EngineHandle.wait_under(output_dir)
         trainer._push_from_checkpoint(output_dir)
 
     if args.should_save:
-        _wait_under(run_dir, but=os.path.abspath(output_dir))  # rotation sorts by mtime, removes whole folders
+        ext.EngineHandle.wait_under(run_dir, but=output_dir)  # rotation sorts by mtime, removes whole folders
         trainer_module.rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
                                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
 
@@ -319,6 +297,21 @@ def _stamp(folder: str, when: float) -> None:
         log.warning("unickpt.transformers: could not set the modification time of %s: %s", folder, e)
 
 
+def _deepspeed_block(trainer: Any, opts: Options) -> None:
+    """A Trainer under DeepSpeed: its checkpoints are the DeepSpeed engine's ``save_checkpoint`` /
+    ``load_checkpoint`` (``checkpoint-N/global_stepN/``), which :mod:`unickpt.deepspeed` takes over for an
+    engine whose config has a ``"unickpt"`` block. Unless the user's config has one, ``{"enabled": true,
+    "async_save": <the plugin's async_save>}`` is added to the config the engine is built from (Accelerate's
+    ``DeepSpeedPlugin.deepspeed_config``, Trainer's ``hf_deepspeed_config.config``: one dict), before
+    ``train`` builds the engine. The weights Trainer writes itself (``model.safetensors``, gathered)."""
+    from unickpt import deepspeed as unickpt_deepspeed
+
+    unickpt_deepspeed.install()  # idempotent; the startup hook did it at ``import deepspeed`` unless turned off
+    config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+    if "unickpt" not in config:
+        config["unickpt"] = {"enabled": True, "async_save": bool(opts.async_save)}
+
+
 # -- resume -------------------------------------------------------------------------------------------
 def _load_optimizer_and_scheduler(trainer: Any, checkpoint: str, extra: dict) -> None:
     """Resume ``trainer``'s optimizer and scheduler from ``checkpoint`` (``extra``: its plugin record)."""
@@ -332,7 +325,7 @@ def _load_optimizer_and_scheduler(trainer: Any, checkpoint: str, extra: dict) ->
     # Trainer's _load_from_checkpoint's (the safetensors files, or whatever a user put in their place).
     # strict=False lets the stored weights be; every key of the optimizer must be there all the same
     target = {"optimizer": ext.StateTools.optimizer_state(_unwrapped(trainer), _inner_optimizer(trainer))}
-    _check_optimizer_keys(checkpoint, target)
+    _check_keys(checkpoint, target, "the optimizer state to resume")
     ext.engine().load(checkpoint, target, strict=False)
     with warnings.catch_warnings(record=True) as caught:
         check_torch_load_is_safe()
@@ -340,9 +333,9 @@ def _load_optimizer_and_scheduler(trainer: Any, checkpoint: str, extra: dict) ->
     reissue_pt_warnings(caught)
 
 
-def _check_optimizer_keys(checkpoint: str, target: dict) -> None:
-    """StateMismatchError naming the optimizer entries of ``target`` that ``checkpoint`` lacks (a load
-    never skips one silently)."""
+def _check_keys(checkpoint: str, target: dict, what: str) -> None:
+    """StateMismatchError naming the entries of ``target`` that ``checkpoint`` lacks (a load with
+    ``strict=False``, which leaves the checkpoint's other entries alone, never skips one of the target's)."""
     from unickpt import StateMismatchError
 
     meta = ext.CheckpointDir(ext.open_storage(checkpoint), checkpoint).read_metadata()
@@ -351,9 +344,19 @@ def _check_optimizer_keys(checkpoint: str, target: dict) -> None:
     wanted = set(flat.tensors) | set(flat.objects)
     missing = sorted(wanted - tensors - set(objects) - per_rank)
     if missing:
-        raise StateMismatchError(f"{checkpoint!r}: the optimizer state to resume lacks {len(missing)} entries of this "
-                                 f"run's optimizer: {', '.join(map(repr, missing[:10]))}"
-                                 f"{' ...' if len(missing) > 10 else ''} (another model or optimizer?)")
+        raise StateMismatchError(f"{checkpoint!r}: {what} lacks {len(missing)} entries of this run's: "
+                                 f"{', '.join(map(repr, missing[:10]))}{' ...' if len(missing) > 10 else ''} "
+                                 "(another model or optimizer?)")
+
+
+def _load_sharded_model(trainer: Any, checkpoint: str, model: Any) -> None:
+    """FSDP2: the weights of a plugin checkpoint loaded by ``unickpt.load`` into ``model``'s shards (each process
+    reads only the byte ranges of its shards from the safetensors files), where Trainer's own FSDP loader
+    (``load_fsdp_model``) looks for its ``pytorch_model_fsdp_0/`` or ``pytorch_model_fsdp.bin``. Collective."""
+    target = {"model": trainer.accelerator.unwrap_model(model if model is not None else trainer.model,
+                                                        keep_torch_compile=False)}
+    _check_keys(checkpoint, target, "the model to load")
+    ext.engine().load(checkpoint, target, strict=False)
 
 
 _originals: dict[str, Any] = {}
@@ -382,7 +385,7 @@ def patch_trainer() -> None:
         @functools.wraps(orig["_load_optimizer_and_scheduler"])
         def _load_optimizer_and_scheduler_(self: Any, checkpoint: str | None) -> None:
             if checkpoint is not None and options_for(self) is not None:
-                _wait_under(checkpoint)
+                ext.EngineHandle.wait_under(checkpoint)
                 extra = _plugin_extra(checkpoint)
                 if extra is not None:
                     return _load_optimizer_and_scheduler(self, checkpoint, extra)
@@ -391,18 +394,30 @@ def patch_trainer() -> None:
         def waiting(name: str) -> Any:
             @functools.wraps(orig[name])
             def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-                if _tracked:
+                if ext.EngineHandle.watched_pending():
                     wait()
-                if name == "_load_from_checkpoint" and args and isinstance(args[0], str) and options_for(self):
+                enabled = options_for(self) is not None
+                if name == "_load_from_checkpoint" and args and isinstance(args[0], str) and enabled:
                     _check_finished(args[0])
+                    if _fsdp2(self) and is_unickpt_checkpoint(args[0]):
+                        return _load_sharded_model(self, args[0], args[1] if len(args) > 1 else kwargs.get("model"))
+                if name == "_load_best_model" and enabled and _fsdp2(self):
+                    best = self.state.best_model_checkpoint
+                    if best is not None and is_unickpt_checkpoint(best):
+                        log.info("unickpt.transformers: loading the best model from %s", best)
+                        return _load_sharded_model(self, best, self.model)
                 return orig[name](self, *args, **kwargs)
 
             return method
 
         @functools.wraps(orig["train"])
         def train(self: Any, *args: Any, **kwargs: Any) -> Any:
+            opts = _scoped.get(self, _global)
+            if opts is not None and self.is_deepspeed_enabled:
+                _deepspeed_block(self, opts)
             result = orig["train"](self, *args, **kwargs)
-            if _tracked:
+            if ext.EngineHandle.watched_pending():
+                ext.EngineHandle.wait_under(self.args.output_dir)  # DeepSpeed's saves too (their own engine)
                 wait()
             return result
 
@@ -420,5 +435,3 @@ def patch_trainer() -> None:
         import transformers.trainer as trainer_module
 
         trainer_module.get_last_checkpoint = _last_finished_checkpoint(trainer_module.get_last_checkpoint)
-        if not getattr(shutil.rmtree, "__unickpt_transformers__", False):
-            shutil.rmtree = _rmtree_waiting(shutil.rmtree)

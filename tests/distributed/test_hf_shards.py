@@ -81,7 +81,9 @@ def test_one_process_writes_model_safetensors_that_every_reader_reads(tmp_path):
     weights = {"a.weight": torch.randn(300, 700, generator=g), "b.bias": torch.randn(5, generator=g).to(torch.bfloat16),
                "empty": torch.empty(0, 3), "ids": torch.arange(10), "tied": None}
     weights["tied"] = weights["a.weight"]  # tied weights: one copy in the file, as save_pretrained keeps
-    state = {"model": weights, "optim": {"m": torch.randn(1000, 300, generator=g)}, "step": 3}
+    # "aux" sorts before the prefix: the metadata must follow the file order (group first), not fqn order
+    state = {"aux": {"v": torch.randn(64, generator=g)}, "model": weights,
+             "optim": {"m": torch.randn(1000, 300, generator=g)}, "step": 3}
     for direct in (True, False):
         path = tmp_path / f"d{direct}"
         unickpt.save(path, state, options=SaveOptions(safetensors="model.", direct_io=direct))
@@ -90,12 +92,13 @@ def test_one_process_writes_model_safetensors_that_every_reader_reads(tmp_path):
         assert sorted(got) == ["a.weight", "b.bias", "empty", "ids"]
         for k in got:
             assert got[k].dtype == weights[k].dtype and torch.equal(got[k], weights[k]), k
-        target = {"model": {k: torch.zeros_like(v) for k, v in weights.items()}, "optim": {"m": torch.zeros(1000, 300)},
-                  "step": 0}
+        target = {"aux": {"v": torch.zeros(64)}, "model": {k: torch.zeros_like(v) for k, v in weights.items()},
+                  "optim": {"m": torch.zeros(1000, 300)}, "step": 0}
         target["model"]["tied"] = target["model"]["a.weight"]
         unickpt.load(path, target)
         assert all(torch.equal(target["model"][k], v) for k, v in weights.items())
         assert torch.equal(target["optim"]["m"], state["optim"]["m"]) and target["step"] == 3
+        assert torch.equal(target["aux"]["v"], state["aux"]["v"])
         assert os.path.getsize(path / "model.safetensors") == len(header(
             [("a.weight", "float32", (300, 700), 840000), ("b.bias", "bfloat16", (5,), 10), ("ids", "int64", (10,), 80),
              ("empty", "float32", (0, 3), 0)])) + 840090
@@ -128,9 +131,31 @@ def test_data_parallel_save_writes_one_file_per_rank_and_the_index(pool, tmp_pat
     assert max(results[0]["bytes_per_rank"]) < 0.65 * total
 
 
-def test_a_sharded_group_tensor_is_refused_by_name(pool, tmp_path):
-    out = pool(2).run(w.save_sharded, str(tmp_path))
-    assert all("'model.w'" in o and "no rank holds all of this one" in o for o in out), out
+@pytest.mark.parametrize("world,async_save,snapshot", [(2, False, "sync"), (2, True, "overlap"), (4, True, "sync")])
+def test_sharded_group_tensors_are_gathered_whole_into_one_file_each(pool, tmp_path, world, async_save, snapshot):
+    """DTensor shards (Shard(0), Shard(1), uneven rows, a 2-d mesh on 4 ranks) under the prefix: each tensor is
+    received whole by one writer, point to point, and written into its safetensors file; safetensors reads the
+    full tensors bitwise and unickpt.load gives every rank its shard back."""
+    out = pool(world).run(w.save_sharded, str(tmp_path), async_save, snapshot)
+    assert all(o["loaded_equal"] for o in out)
+    files = out[0]["files"]
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert shards == [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
+    assert len(shards) >= 2  # the gathered tensors are spread over writers
+    got: dict = {}
+    for name in shards:
+        part = load_file(str(tmp_path / "ckpt" / name))
+        assert not set(part) & set(got)  # each tensor in one file
+        got.update(part)
+    g = torch.Generator().manual_seed(5)
+    full = {"rows": torch.randn(8 * world, 33, generator=g), "cols": torch.randn(17, 4 * world, generator=g),
+            "uneven": torch.randn(2 * world + 1, 5, generator=g).to(torch.bfloat16),
+            "replicated": torch.randn(70, 9, generator=g), "grid": torch.randn(12, 8, generator=g)}
+    assert sorted(got) == sorted(full)
+    for k, v in full.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    assert sorted(out[0]["index"]["weight_map"]) == sorted(full)
+    assert sum(o["p2p_recvs"] for o in out) > 0 and sum(o["p2p_sends"] for o in out) == sum(o["p2p_recvs"] for o in out)
 
 
 def test_a_tie_across_the_prefix_and_a_prefix_without_a_dot_are_refused(tmp_path):
@@ -140,3 +165,28 @@ def test_a_tie_across_the_prefix_and_a_prefix_without_a_dot_are_refused(tmp_path
             unickpt.save(tmp_path / "tie", state, options=SaveOptions(safetensors="model."))
     with pytest.raises(ValueError, match=r"safetensors must be an fqn prefix ending with '\.'.*got 'model'"):
         SaveOptions(safetensors="model").validated()
+
+
+def test_link_safetensors_puts_the_committed_files_into_a_folder_and_drops_stale_names(tmp_path):
+    from unickpt.lifecycle.directory import CheckpointDir
+
+    dest = tmp_path / "folder"
+    dest.mkdir()
+    for stale in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"):
+        (dest / stale).write_bytes(b"an earlier save on two processes")
+    (dest / "model_1.safetensors").write_bytes(b"the user's")  # not a name of the option: kept
+    w = {"a": torch.randn(64, 3), "b": torch.arange(5)}
+    ckpt = tmp_path / "step_0"
+    unfinished = CheckpointDir.open(str(tmp_path / "never"))
+    with pytest.raises(FileNotFoundError, match="not a committed checkpoint"):
+        unfinished.link_safetensors(str(dest))
+    unickpt.save(ckpt, {"model": w, "o": torch.ones(3)}, options=SaveOptions(safetensors="model."))
+    assert CheckpointDir.open(str(ckpt)).link_safetensors(str(dest)) == ["model.safetensors"]
+    assert sorted(os.listdir(dest)) == ["model.safetensors", "model_1.safetensors"]
+    assert os.path.samefile(dest / "model.safetensors", ckpt / "model.safetensors")  # a link, no copy
+    got = load_file(str(dest / "model.safetensors"))
+    assert sorted(got) == ["a", "b"] and all(torch.equal(got[k], w[k]) for k in w)
+    import shutil
+
+    shutil.rmtree(ckpt)  # the checkpoint goes (retention): the folder's names still read the weights
+    assert torch.equal(load_file(str(dest / "model.safetensors"))["a"], w["a"])

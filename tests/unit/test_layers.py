@@ -21,7 +21,7 @@ LAYERS = [
     {"unickpt.plan"},
     {"unickpt.interop"},
     {"unickpt.saving", "unickpt.loading", "unickpt.tiers"},
-    {"unickpt.engine", "unickpt.teardown", "unickpt.api", "unickpt.checkpointer"},
+    {"unickpt.engine", "unickpt.teardown", "unickpt.removal", "unickpt.api", "unickpt.checkpointer"},
     {"unickpt.ext"},
     {"unickpt.tools", "unickpt.testing", "unickpt._startup", "unickpt.__main__", "unickpt"},
 ]

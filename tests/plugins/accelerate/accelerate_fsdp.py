@@ -11,7 +11,11 @@ Accelerate does (``FullyShardedDataParallel``, size-based auto wrap, ``use_orig_
 functions that raise, so the run fails if Accelerate's DCP route (save_fsdp_model /
 save_fsdp_optimizer) is taken.
 
-    accelerate_fsdp.py REPORT CKPT_DIR {1,2}
+    accelerate_fsdp.py REPORT CKPT_DIR {1,2} [full]
+
+``full``: ``state_dict_type="FULL_STATE_DICT"`` (Accelerate then writes a gathered ``model.safetensors``):
+unickpt gathers the shards of each weight into one process's safetensors file, linked at the folder's root;
+the report's ``weights`` is the digest of what ``safetensors`` reads there.
 """
 import os
 import sys
@@ -28,13 +32,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from accelerate_common import full_states, listing, make_model, rng_digest, write_report  # noqa: E402
 
 report_path, out, version = sys.argv[1], sys.argv[2], int(sys.argv[3])
+state_dict_type = "FULL_STATE_DICT" if sys.argv[4:] == ["full"] else "SHARDED_STATE_DICT"
 acc = Accelerator()
 if version == 2:
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT",
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type,
                                             auto_wrap_policy="size_based_wrap", min_num_params=100,
                                             reshard_after_forward=True)
 else:
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=1, state_dict_type="SHARDED_STATE_DICT",
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=1, state_dict_type=state_dict_type,
                                             auto_wrap_policy="size_based_wrap", min_num_params=100,
                                             sharding_strategy="FULL_SHARD", use_orig_params=True)
 for shared in (PartialState._shared_state, AcceleratorState._shared_state):
@@ -87,4 +92,13 @@ report["rng_saved"], report["rng_loaded"] = rng, rng_digest()
 acc.wait_for_everyone()
 acc.end_training()
 report["files"] = listing(out)
+if state_dict_type == "FULL_STATE_DICT":
+    from safetensors.torch import load_file
+
+    from accelerate_common import digest  # noqa: E402
+
+    weights: dict = {}
+    for name in sorted(n for n in os.listdir(out) if n.endswith(".safetensors")):
+        weights.update(load_file(os.path.join(out, name)))
+    report["weights"] = digest(weights)
 write_report(report_path, acc.process_index, report)

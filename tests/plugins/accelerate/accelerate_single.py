@@ -101,6 +101,18 @@ second = full_states(model2, optimizer2)
 acc2.save_state(same)
 unickpt.accelerate.wait()
 report["same_listing"] = sorted(os.listdir(os.path.join(same, "unickpt")))
+# the newest save's weights at the folder's root, as Accelerate's own save_state leaves them: hard links to
+# its safetensors file (the first save's link was replaced)
+from safetensors.torch import load_file  # noqa: E402
+
+weights_file = os.path.join(same, "model.safetensors")
+root_weights = load_file(weights_file)
+own = acc2.unwrap_model(model2).state_dict()
+report["same_weights"] = {
+    "names": sorted(os.listdir(same)),
+    "equal": sorted(root_weights) == sorted(own) and all(torch.equal(root_weights[k], v) for k, v in own.items()),
+    "linked": os.path.samefile(weights_file, os.path.join(same, "unickpt", "step_1", "model.safetensors")),
+}
 with torch.no_grad():
     for p in model2.parameters():
         p.zero_()

@@ -6,6 +6,7 @@ tensors that differ between processes too). With UNICKPT_ACCELERATE=1 its checkp
     train:  accelerate_train.py REPORT PROJECT train
     resume: accelerate_train.py REPORT PROJECT resume CHECKPOINT_DIR   (load, then finish the epochs)
 """
+import json
 import os
 import sys
 
@@ -55,4 +56,20 @@ report["final"] = snapshot()
 acc.wait_for_everyone()
 acc.end_training()
 report["files"] = sorted(os.listdir(os.path.join(project, "checkpoints")))
+# the first model's weights as Hugging Face safetensors files at each folder's root (what Accelerate's own
+# save_state names model.safetensors): digests of what safetensors reads, compared with the saves' own
+from safetensors.torch import load_file  # noqa: E402
+
+report["weights"] = {}
+for name in report["files"]:
+    folder = os.path.join(project, "checkpoints", name)
+    shards = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    merged: dict = {}
+    for shard in shards:
+        merged.update(load_file(os.path.join(folder, shard)))
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    report["weights"][name] = {"names": sorted(os.listdir(folder)), "digest": digest(merged),
+                               "index_files": sorted(set(index["weight_map"].values())),
+                               "index_keys": sorted(index["weight_map"]) == sorted(merged)}
 write_report(report_path, acc.process_index, report)

@@ -74,6 +74,8 @@ def runs(tmp_path_factory):
                     env=_env(UNICKPT_ACCELERATE="1")),
         "E": _start(2, "accelerate_fsdp.py", str(tmp / "E"), str(fsdp_dir), "2", env=_env()),
         "F": _start(2, "accelerate_fsdp.py", str(tmp / "F"), str(fsdp1_dir), "1", env=_env()),
+        "G": _start(2, "accelerate_fsdp.py", str(tmp / "G"), str(tmp / "fsdp2_full"), "2", "full", env=_env()),
+        "H": _start(2, "accelerate_fsdp.py", str(tmp / "H"), str(tmp / "fsdp1_full"), "1", "full", env=_env()),
     }
     _finish(first)
     ckpt1 = str(project / "checkpoints" / "checkpoint_1")
@@ -86,6 +88,7 @@ def runs(tmp_path_factory):
     _finish(second)
     return {"tmp": tmp, "project": project, "fsdp": fsdp_dir, "fsdp1": fsdp1_dir, "A": _reports(str(tmp / "A"), 2),
             "B": _reports(str(tmp / "B"), 2), "E": _reports(str(tmp / "E"), 2), "F": _reports(str(tmp / "F"), 2),
+            "G": _reports(str(tmp / "G"), 2), "H": _reports(str(tmp / "H"), 2),
             "D": _reports(str(tmp / "D"), 1)[0]}
 
 
@@ -102,7 +105,13 @@ def test_env_var_routes_unmodified_script_through_unickpt_with_rotation(runs):
         assert runs["A"][rank]["files"] == ["checkpoint_1", "checkpoint_2"]
     for name in ("checkpoint_1", "checkpoint_2"):
         folder = checkpoints / name
-        assert sorted(os.listdir(folder)) == ["unickpt"]  # nothing written by Accelerate itself
+        # nothing written by Accelerate itself; the first model's weights as Hugging Face safetensors files, one
+        # per process (hard links to the unickpt save's own), read by safetensors as the weights saved
+        weights = runs["A"][0]["weights"][name]
+        shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+        assert weights["names"] == sorted(os.listdir(folder)) == shards + ["model.safetensors.index.json", "unickpt"]
+        assert weights["index_files"] == shards and weights["index_keys"] is True
+        assert weights["digest"] == runs["A"][0]["saves"][name.split("_")[1]]["model"]
         assert sorted(os.listdir(folder / "unickpt")) == ["latest", "step_0"]
         meta = _metadata(folder)
         assert meta["layout"]["world_size"] == 2
@@ -184,6 +193,21 @@ def test_fsdp1_flat_parameters_route_through_unickpt(runs):
     assert [(c["flat_start"], c["flat_length"]) for c in chunks] == [(0, 144), (144, 112)]
 
 
+@pytest.mark.parametrize("run", ["G", "H"])
+def test_fsdp_full_state_dict_gathers_the_weights_into_model_safetensors(runs, run):
+    """FSDP with FULL_STATE_DICT (Accelerate's own save writes a gathered model.safetensors then): FSDP2
+    DTensor shards (G) and FSDP1 flat-parameter slices (H) are gathered whole by the save, each tensor into
+    one process's safetensors file, linked at the folder's root and read by safetensors as the full model."""
+    for rep in runs[run]:
+        assert rep["distributed_type"] == "DistributedType.FSDP" and rep["loaded"] == rep["saved"]
+        assert rep["weights"] == rep["saved"][0]  # the full model's digest (sorted fqns, dtypes, shapes, bytes)
+    files = runs[run][0]["files"]
+    assert [f for f in files if not f.startswith("unickpt/")] == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    sharded = runs["E" if run == "G" else "F"][0]["files"]
+    assert not any(f.endswith(".safetensors") for f in sharded)  # SHARDED_STATE_DICT: no gather, as Accelerate
+
+
 def test_resume_on_one_process(runs):
     d = runs["D"]
     assert d["rng_error"][0] == "PerRankReshardError"
@@ -211,6 +235,7 @@ def test_repeated_saves_into_one_folder_keep_the_newest(runs):
     assert d["async_returned_uncommitted"] is True  # save_state returned before the commit
     assert d["same_listing"] == ["latest", "step_1"]
     assert d["same_reloaded"] is True
+    assert d["same_weights"] == {"names": ["model.safetensors", "unickpt"], "equal": True, "linked": True}
 
 
 def test_pickle_is_opt_in_and_safe_serialization(runs):
@@ -245,7 +270,7 @@ def test_switching_to_unickpt_mid_run_continues_the_numbering(runs):
     switched = runs["D"]["switched"]
     assert sorted(switched) == ["checkpoint_0", "checkpoint_1"]
     assert "random_states_0.pkl" in switched["checkpoint_0"] and "unickpt" not in switched["checkpoint_0"]
-    assert switched["checkpoint_1"] == ["unickpt"]
+    assert switched["checkpoint_1"] == ["model.safetensors", "unickpt"]
 
 
 def test_one_optimizer_over_two_models(runs):
@@ -633,8 +658,10 @@ def test_each_process_naming_its_own_folder(tmp_path):
     reports = _reports(str(tmp_path / "own"), 2)
     for rep in reports:
         assert rep["restored"] is True and rep["resumed_batches"] is True
-    # the checkpoint is in process 0's folder; process 1's exists, as with Accelerate
-    assert reports[0]["listing"] == ["unickpt"] and reports[1]["listing"] == []
+    # the checkpoint is in process 0's folder (the weights' safetensors files linked at its root); process 1's
+    # exists, as with Accelerate
+    assert reports[0]["listing"] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                     "model.safetensors.index.json", "unickpt"] and reports[1]["listing"] == []
 
 
 def test_two_rotations_at_once_delete_only_the_oldest(tmp_path, monkeypatch):

@@ -16,15 +16,18 @@ import unickpt.accelerate
 from unickpt.testing import Fault, inject
 
 
-def _enospc(folder) -> Fault:
-    return Fault("write", match=f"{folder}{os.sep}unickpt{os.sep}*{os.sep}data{os.sep}*", nth=None,
-                 errno=errno.ENOSPC)
+def _enospc(folder) -> tuple[Fault, Fault]:
+    """Writes of the data files and of model.safetensors fail (the weights of a model whose optimizer has no
+    state yet are all in the latter)."""
+    step = f"{folder}{os.sep}unickpt{os.sep}step_*{os.sep}"
+    return (Fault("write", match=f"{step}data{os.sep}*", nth=None, errno=errno.ENOSPC),
+            Fault("write", match=f"{step}model*.safetensors", nth=None, errno=errno.ENOSPC))
 
 
 def test_the_next_save_state_raises_the_failure_once(tmp_path, accelerator_factory):  # noqa: F811
     acc = accelerator_factory()
     _tiny(acc)
-    with inject(_enospc(tmp_path / "a")):
+    with inject(*_enospc(tmp_path / "a")):
         acc.save_state(str(tmp_path / "a"))
         with pytest.raises(unickpt.EarlierSaveFailedError) as info:
             acc.save_state(str(tmp_path / "b"))
@@ -43,7 +46,7 @@ def test_on_error_warn(tmp_path, accelerator_factory):  # noqa: F811
     acc = accelerator_factory()
     unickpt.accelerate.enable(acc, on_error="warn")
     _tiny(acc)
-    with inject(_enospc(tmp_path / "a")):
+    with inject(*_enospc(tmp_path / "a")):
         acc.save_state(str(tmp_path / "a"))
         with pytest.warns(RuntimeWarning, match=r"^unickpt: the asynchronous save of step 0 \('.*/a/unickpt/step_0'\) "
                           r"failed \(OSError: \[Errno 28\] No space left on device .*\); on_error='warn'") as rec:

@@ -2,6 +2,14 @@
 launched by torchrun), for test_trainer.py and benchmarks/trainer_save.py.
 
     python trainer_worker.py OUT --max-steps 8 --save-steps 2 [--resume PATH|last] [--unickpt] [--hidden 32]
+                             [--deepspeed STAGE | --fsdp SHARDED_STATE_DICT|FULL_STATE_DICT]
+
+FSDP on the CPU: Accelerate selects FSDP only on accelerators (``state.py``: MULTI_GPU/NPU/XPU/...), never
+MULTI_CPU, so Trainer's accelerator would run DDP. ``--fsdp`` switches Accelerate's state singletons to
+``DistributedType.FSDP`` with Trainer's own FSDP plugin right after Trainer creates its accelerator (as
+``tests/plugins/accelerate/accelerate_fsdp.py`` does): ``accelerator.prepare`` then runs Accelerate's
+``fsdp2_prepare_model``, and Trainer takes its FSDP paths (its own save: ``save_fsdp_model`` /
+``save_fsdp_optimizer``), as on GPUs.
 
 Writes ``OUT/losses-<tag><world>.json`` (rank 0): the loss and the seconds of every step this run took
 (``on_step_begin`` to ``on_step_end``: with overlap snapshots the optimizer step's wait for a save's copy
@@ -33,6 +41,12 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--save-only-model", action="store_true")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--deepspeed", type=int, default=None, help="a ZeRO stage: Trainer under DeepSpeed (CPU)")
+    ap.add_argument("--load-best", action="store_true",
+                    help="evaluate at each save, load_best_model_at_end; report whether the final weights are the "
+                         "best checkpoint's model.safetensors")
+    ap.add_argument("--fsdp", default=None, choices=["SHARDED_STATE_DICT", "FULL_STATE_DICT"],
+                    help="Trainer under FSDP2 with this state dict type (CPU: see cpu_fsdp)")
     a = ap.parse_args()
 
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
@@ -68,6 +82,18 @@ def main() -> None:
             step_s[state.global_step] = time.perf_counter() - Record.t0
 
     class Timed(Trainer):
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            if a.fsdp is not None:
+                from accelerate.state import AcceleratorState, PartialState
+                from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+                for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+                    shared["distributed_type"] = DistributedType.FSDP
+                AcceleratorState._shared_state["fsdp_plugin"] = FullyShardedDataParallelPlugin(
+                    **self.args.fsdp_plugin_args)
+                self.is_fsdp_enabled = True
+
         def _save_checkpoint(self, model, trial):
             t0 = time.perf_counter()
             super()._save_checkpoint(model, trial)
@@ -80,19 +106,42 @@ def main() -> None:
     args = TrainingArguments(a.out, save_steps=a.save_steps, max_steps=a.max_steps, save_total_limit=a.save_total_limit,
                              report_to=[], use_cpu=True, per_device_train_batch_size=a.batch, logging_steps=1,
                              seed=0, save_only_model=a.save_only_model, ddp_backend="gloo", disable_tqdm=True,
-                             dataloader_num_workers=0, learning_rate=1e-3)
-    trainer = Timed(LlamaForCausalLM(cfg), args, train_dataset=Tokens(), callbacks=[Record()])
+                             dataloader_num_workers=0, learning_rate=1e-3,
+                             eval_strategy="steps" if a.load_best else "no",
+                             eval_steps=a.save_steps if a.load_best else None, load_best_model_at_end=a.load_best,
+                             metric_for_best_model="loss" if a.load_best else None,
+                             fsdp="full_shard auto_wrap" if a.fsdp else "",
+                             fsdp_config={"version": 2, "state_dict_type": a.fsdp,
+                                          "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]} if a.fsdp else None,
+                             deepspeed=None if a.deepspeed is None else {
+                                 "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                                 "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
+                                 "zero_optimization": {"stage": a.deepspeed}})
+    evaluation = torch.utils.data.Subset(Tokens(), range(8)) if a.load_best else None
+    trainer = Timed(LlamaForCausalLM(cfg), args, train_dataset=Tokens(), eval_dataset=evaluation, callbacks=[Record()])
     resume: str | bool | None = a.resume
     if a.resume == "last":
         resume = True
     t_start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    best = None
+    if a.load_best:  # the final weights (gathered under FSDP: collective) against the best checkpoint's files
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        final = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        stored: dict = {}
+        folder = trainer.state.best_model_checkpoint
+        for name in sorted(n for n in os.listdir(folder) if n.endswith(".safetensors")):
+            stored.update(load_file(os.path.join(folder, name)))
+        best = {"checkpoint": os.path.basename(folder), "equal": trainer.args.process_index != 0 or (
+            sorted(stored) == sorted(final) and all(torch.equal(stored[k], final[k]) for k in final))}
     if trainer.args.process_index == 0:
         with open(os.path.join(a.out, f"losses-{a.tag}{world}.json"), "w") as f:
             json.dump({"losses": {str(k): v for k, v in sorted(losses.items())}, "stalls": stalls,
                        "step_s": {str(k): v for k, v in sorted(step_s.items())}, "enabled": bool(a.unickpt),
-                       "params": sum(p.numel() for p in trainer.model.parameters()),
+                       "params": sum(p.numel() for p in trainer.model.parameters()), "best": best,
                        "train_s": time.perf_counter() - t_start}, f)
 
 
