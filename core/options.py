@@ -173,7 +173,8 @@ class SaveOptions:
             tensor whole, replicas balanced over their holders) + ``model.safetensors.index.json``;
             ``from_pretrained`` / ``safetensors.safe_open`` read them, and ``metadata.json`` indexes
             the same bytes (:mod:`unickpt.format.hf_shards`). A tensor under the prefix that no rank
-            holds whole (sharded) fails the save with ValueError naming it. In overlap snapshots
+            holds whole (DTensor shards, flat ranges) is gathered whole into one writer's file during the
+            save (its shards sent point to point; writers balanced by bytes). In overlap snapshots
             with large tensors no optimizer owns, the snapshot is taken before the call returns.
             None: off.
 

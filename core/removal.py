@@ -42,13 +42,13 @@ class Watched(Protocol):
 
 
 _lock = threading.Lock()
-_watched: list[tuple[Watched, str]] = []  # (handle, absolute path of the save's directory)
+_watched: list[tuple[Watched, str]] = []  # (handle, real path of the save's directory)
 
 
 def watch(handle: Watched) -> None:
     """Make removals of ``handle.path`` (or of a folder around it, or inside it) wait for the save.
     Finished saves are dropped from the list here and on every wait."""
-    path = os.path.abspath(os.fspath(handle.path))
+    path = os.path.realpath(os.fspath(handle.path))
     with _lock:
         _watched[:] = [(h, p) for h, p in _watched if not h.done()] + [(handle, path)]
 
@@ -59,9 +59,10 @@ def _overlaps(removed: str, saved: str) -> bool:
 
 def busy_under(path: str | os.PathLike, but: str | os.PathLike | None = None) -> list[Watched]:
     """The watched saves not finished yet whose directory is ``path``, inside it, or contains it
-    (``but``: except the save into that directory)."""
-    removed = os.path.abspath(os.fspath(path))
-    skip = None if but is None else os.path.abspath(os.fspath(but))
+    (``but``: except the save into that directory). Paths are compared resolved (``os.path.realpath``): a
+    folder named through a symbolic link is the same folder."""
+    removed = os.path.realpath(os.fspath(path))
+    skip = None if but is None else os.path.realpath(os.fspath(but))
     with _lock:
         _watched[:] = [(h, p) for h, p in _watched if not h.done()]
         return [h for h, p in _watched if p != skip and _overlaps(removed, p)]

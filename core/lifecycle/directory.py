@@ -425,13 +425,17 @@ class CheckpointDir:
         ``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``)
         into the local folder ``dest``, so that tools reading a framework's folder (``from_pretrained``,
         ``safetensors.torch.load_file(dest + "/model.safetensors")``) read them: no byte is copied, and
-        the names stay valid when this checkpoint is removed later. Each name replaces the one in ``dest``
-        atomically (a link to a temporary name, then ``os.replace``), the index last; then the names of
-        that pattern in ``dest`` that this checkpoint lacks (an earlier save with another number of
-        writers) are removed. Returns the linked names, sorted (empty when the save wrote none).
+        the names stay valid when this checkpoint is removed later. Every file is first linked under a
+        temporary name; only when all links exist does each replace its name in ``dest`` (``os.replace``,
+        atomic per name), the index last; then the names of that pattern in ``dest`` that this checkpoint
+        lacks (an earlier save with another number of writers) are removed. A failing link replaces
+        nothing (its temporaries are removed, and the error raised), so ``dest`` never mixes two saves'
+        files that way; a process killed between the replacements can leave such a mix (a directory's
+        names cannot be swapped at once). Returns the linked names, sorted (empty when the save wrote none).
 
         Raises FileNotFoundError when the checkpoint is not committed, ValueError when it or ``dest`` is
-        not on the local file system, OSError when the file system refuses hard links (another device).
+        not on the local file system, OSError when the file system refuses hard links (another device,
+        too many links).
         """
         if not self.storage.is_local:
             raise ValueError(f"{self.path}: linking safetensors files needs a local checkpoint")
@@ -441,11 +445,22 @@ class CheckpointDir:
         dest = self.storage.strip(dest)
         names = sorted(n for n in self.files(with_marker=False) if is_safetensors_entry(n))
         names.sort(key=lambda n: n.endswith(".json"))  # the index after the files it names
-        for name in names:
-            tmp = os.path.join(dest, f".{name}.tmp-{os.getpid()}")
-            if os.path.lexists(tmp):
-                os.remove(tmp)
-            os.link(os.path.join(source, name), tmp)
+        staged: list[tuple[str, str]] = []
+        try:
+            for name in names:
+                tmp = os.path.join(dest, f".{name}.tmp-{os.getpid()}")
+                if os.path.lexists(tmp):
+                    os.remove(tmp)
+                os.link(os.path.join(source, name), tmp)
+                staged.append((tmp, name))
+        except BaseException:
+            for tmp, _ in staged:
+                try:
+                    os.remove(tmp)
+                except OSError:
+                    pass
+            raise
+        for tmp, name in staged:
             os.replace(tmp, os.path.join(dest, name))
         for name in os.listdir(dest):
             if is_safetensors_entry(name) and name not in names:

@@ -152,12 +152,20 @@ def link_weights(root: str, step: int, output_dir: str) -> list[str]:
     its ``model.safetensors`` files (``model-0000k-of-0000n.safetensors`` + index with several writers)
     into the Accelerate folder ``output_dir``, where Accelerate's own ``save_state`` puts
     ``model.safetensors`` (``ext.CheckpointDir.link_safetensors``). A failure is logged, not raised: the
-    checkpoint itself is committed and loads. Returns the linked names."""
+    checkpoint itself is committed and loads; the folder's names of an earlier save are then removed, so
+    that they never show other weights than the committed save's. Returns the linked names."""
     try:
         return ext.CheckpointRoot(root).dir(step).link_safetensors(output_dir)
     except (OSError, ValueError) as e:
-        log.warning("unickpt.accelerate: could not link the model.safetensors files of %s into %s: %s",
-                    root, output_dir, e)
+        log.warning("unickpt.accelerate: could not link the model.safetensors files of %s into %s (%s); the "
+                    "folder holds no model.safetensors now (the checkpoint itself is committed: load_state "
+                    "reads it)", root, output_dir, e)
+        for name in os.listdir(output_dir):
+            if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json", name):
+                try:
+                    os.remove(os.path.join(output_dir, name))
+                except OSError:
+                    log.exception("unickpt.accelerate: could not remove %s", os.path.join(output_dir, name))
         return []
 
 

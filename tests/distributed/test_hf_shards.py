@@ -190,3 +190,33 @@ def test_link_safetensors_puts_the_committed_files_into_a_folder_and_drops_stale
 
     shutil.rmtree(ckpt)  # the checkpoint goes (retention): the folder's names still read the weights
     assert torch.equal(load_file(str(dest / "model.safetensors"))["a"], w["a"])
+
+
+def test_link_safetensors_replaces_nothing_when_a_link_fails(tmp_path, monkeypatch):
+    """All new links are made before any name is replaced: a failing link (EMLINK, another device) leaves
+    the folder's names as they were and no temporary behind."""
+    import errno
+
+    from unickpt.lifecycle.directory import CheckpointDir
+
+    dest = tmp_path / "folder"
+    dest.mkdir()
+    for step, value in ((0, 1.0), (1, 2.0)):
+        weights = {"a": torch.full((8, 4), value), "b": torch.full((3,), value)}
+        unickpt.save(tmp_path / f"s{step}", {"model": weights}, options=SaveOptions(safetensors="model."))
+    CheckpointDir.open(str(tmp_path / "s0")).link_safetensors(str(dest))
+    before = sorted(os.listdir(dest))
+    calls = []
+    real_link = os.link
+
+    def failing_link(src, dst, *args, **kwargs):
+        calls.append(dst)
+        if len(calls) == 1:
+            raise OSError(errno.EMLINK, "Too many links")
+        return real_link(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "link", failing_link)
+    with pytest.raises(OSError, match="Too many links"):
+        CheckpointDir.open(str(tmp_path / "s1")).link_safetensors(str(dest))
+    assert sorted(os.listdir(dest)) == before  # no temporary left, nothing replaced
+    assert torch.equal(load_file(str(dest / "model.safetensors"))["a"], torch.full((8, 4), 1.0))

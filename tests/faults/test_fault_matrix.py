@@ -13,8 +13,8 @@ and step 3 commits. In every cell:
   never "no checkpoint");
 - after the next successful save no leftover of the failed attempt remains on storage.
 
-Faults: ``disk_full`` (ENOSPC on every data-file write), ``short_write`` (a lying disk: a data file
-keeps half its bytes and the write reports success), ``eio_rename`` (EIO on the atomic replace that
+Faults: ``disk_full`` (ENOSPC on every data-file write: ``data/*`` and the weights' ``model*.safetensors``),
+``short_write`` (a lying disk: a data file keeps half its bytes and the write reports success), ``eio_rename`` (EIO on the atomic replace that
 commits ``metadata.json``), ``failing_listing`` (EIO on every directory listing, while saving and
 loading), ``slow`` (every write 0.3 s late), ``read_only`` (after the save's directory exists,
 writes, renames, markers and removals fail with EROFS).
@@ -57,10 +57,11 @@ def check(state: dict, step: int) -> None:
 # -- faults ------------------------------------------------------------------------------------------
 def faults(name: str, where: str) -> list[Fault]:
     """The faults of ``name`` on the paths under ``where`` (an fnmatch prefix)."""
+    data = (where + "*/data/*", where + "*/model*.safetensors")  # data files, and safetensors shards of the weights
     if name == "disk_full":
-        return [Fault("write", match=where + "*/data/*", nth=None, errno=errno.ENOSPC)]
+        return [Fault("write", match=m, nth=None, errno=errno.ENOSPC) for m in data]
     if name == "short_write":
-        return [Fault("write", match=where + "*/data/*", nth=1, action="truncate", keep=0.5)]
+        return [Fault("write", match=m, nth=1, action="truncate", keep=0.5) for m in data]
     if name == "eio_rename":
         return [Fault("rename", match=where + "*metadata.json", nth=None, errno=errno.EIO)]
     if name == "failing_listing":

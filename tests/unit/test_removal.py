@@ -71,3 +71,17 @@ def test_removal_on_a_unickpt_thread_never_waits(tmp_path):
         assert not handle.done(), "the removal on a unickpt- thread waited for the save"
     finally:
         handle.wait()
+
+
+def test_a_folder_named_through_a_symbolic_link_is_the_same_folder(tmp_path):
+    removal.install()
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    handle = unickpt.save(tmp_path / "link" / "ckpt", _big_state(), async_save=True)
+    removal.watch(handle)
+    try:
+        assert removal.busy_under(tmp_path / "real" / "ckpt") == [handle]
+        shutil.rmtree(tmp_path / "real" / "ckpt")  # the other spelling: waits all the same
+        assert handle.done() and handle.outcome() is None and not (tmp_path / "real" / "ckpt").exists()
+    finally:
+        handle.wait()

@@ -256,6 +256,13 @@ def phase_errors(out: str) -> None:
     names = os.listdir(os.path.join(out, "native", "t1"))
     assert "mp_rank_00_model_states.pt" in names and "metadata.json" not in names, names
     native_state = gather(plain)
+    try:  # DeepSpeed's own loader of a unickpt checkpoint: a clear error (it failed on a bare assert)
+        plain.load_checkpoint(os.path.join(out, "z2"))
+    except ValueError as err:
+        assert f"{os.path.join(out, 'z2', 'step3')!r} is a unickpt checkpoint: DeepSpeed's own load_checkpoint " \
+               "cannot read it" in str(err), str(err)
+    else:
+        raise AssertionError("DeepSpeed's own load_checkpoint took a unickpt checkpoint")
     plain.destroy()
     # an engine with the block still resumes from a DeepSpeed-native checkpoint (DeepSpeed loads it)
     ours = make("z2", seed=1)
