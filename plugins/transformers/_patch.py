@@ -303,10 +303,14 @@ def _deepspeed_block(trainer: Any, opts: Options) -> None:
     engine whose config has a ``"unickpt"`` block. Unless the user's config has one, ``{"enabled": true,
     "async_save": <the plugin's async_save>}`` is added to the config the engine is built from (Accelerate's
     ``DeepSpeedPlugin.deepspeed_config``, Trainer's ``hf_deepspeed_config.config``: one dict), before
-    ``train`` builds the engine. The weights Trainer writes itself (``model.safetensors``, gathered)."""
+    ``train`` builds the engine. Trainer still writes the weights itself (``model.safetensors``, gathered).
+    ``UNICKPT_DEEPSPEED=0`` (the DeepSpeed plugin turned off) leaves the config as it is."""
+    if not ext.flag("UNICKPT_DEEPSPEED", True):
+        log.info("unickpt.transformers: UNICKPT_DEEPSPEED=0: this Trainer's DeepSpeed checkpoints stay DeepSpeed's own")
+        return
     from unickpt import deepspeed as unickpt_deepspeed
 
-    unickpt_deepspeed.install()  # idempotent; the startup hook did it at ``import deepspeed`` unless turned off
+    unickpt_deepspeed.install()  # idempotent; the startup hook did it at ``import deepspeed``
     config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
     if "unickpt" not in config:
         config["unickpt"] = {"enabled": True, "async_save": bool(opts.async_save)}
