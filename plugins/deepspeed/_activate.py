@@ -149,7 +149,7 @@ def _checked_at_init(original: Any) -> Any:
 
 
 def _refuse_unickpt_tag(load_dir: Any = None, tag: Any = None, *args: Any, **kwargs: Any) -> None:
-    """DeepSpeed's own ``load_checkpoint`` of a tag unickpt wrote (``metadata.json``, no DeepSpeed files)
+    """DeepSpeed's own ``load_checkpoint`` of a tag unickpt wrote (its commit marker, no DeepSpeed files)
     fails deep inside DeepSpeed (``assert len(self.ckpt_list) > 0``); raise a ValueError that names the
     tag and the config block that loads it instead. A tag of DeepSpeed's own goes on unchanged."""
     import os
@@ -162,8 +162,10 @@ def _refuse_unickpt_tag(load_dir: Any = None, tag: Any = None, *args: Any, **kwa
             return
         with open(latest) as f:
             tag = f.read().strip()
+    from unickpt.ext import CheckpointDir
+
     path = os.path.join(os.fspath(load_dir), str(tag))
-    if os.path.isfile(os.path.join(path, "metadata.json")) and not any(
+    if os.path.isfile(os.path.join(path, CheckpointDir.MARKER_NAME)) and not any(
             n.endswith("model_states.pt") for n in os.listdir(path)):
         raise ValueError(f"{path!r} is a unickpt checkpoint: DeepSpeed's own load_checkpoint cannot read it. Load "
                          'it with "unickpt": {"enabled": true} in the DeepSpeed config (under the Hugging Face '
