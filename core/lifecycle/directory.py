@@ -462,13 +462,23 @@ class CheckpointDir:
             raise
         for tmp, name in staged:
             os.replace(tmp, os.path.join(dest, name))
+        self.remove_safetensors(dest, keep=names)
+        return sorted(names)
+
+    @staticmethod
+    def remove_safetensors(dest: str, keep: list[str] | tuple[str, ...] = ()) -> list[str]:
+        """Remove the Hugging Face safetensors names (those :meth:`link_safetensors` makes) from the local
+        folder ``dest``, except ``keep``. Names vanishing meanwhile are fine. Returns the removed names.
+        Raises OSError when a removal fails otherwise."""
+        removed = []
         for name in os.listdir(dest):
-            if is_safetensors_entry(name) and name not in names:
+            if is_safetensors_entry(name) and name not in keep:
                 try:
                     os.remove(os.path.join(dest, name))
                 except FileNotFoundError:
-                    pass
-        return sorted(names)
+                    continue
+                removed.append(name)
+        return removed
 
     # -- removal -------------------------------------------------------------------------------------
     def uncommit(self) -> None:

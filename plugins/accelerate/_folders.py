@@ -160,12 +160,10 @@ def link_weights(root: str, step: int, output_dir: str) -> list[str]:
         log.warning("unickpt.accelerate: could not link the model.safetensors files of %s into %s (%s); the "
                     "folder holds no model.safetensors now (the checkpoint itself is committed: load_state "
                     "reads it)", root, output_dir, e)
-        for name in os.listdir(output_dir):
-            if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json", name):
-                try:
-                    os.remove(os.path.join(output_dir, name))
-                except OSError:
-                    log.exception("unickpt.accelerate: could not remove %s", os.path.join(output_dir, name))
+        try:
+            ext.CheckpointDir.remove_safetensors(output_dir)
+        except OSError:
+            log.exception("unickpt.accelerate: could not remove the model.safetensors files of %s", output_dir)
         return []
 
 

@@ -148,30 +148,6 @@ def _checked_at_init(original: Any) -> Any:
     return configure
 
 
-def _refuse_unickpt_tag(load_dir: Any = None, tag: Any = None, *args: Any, **kwargs: Any) -> None:
-    """DeepSpeed's own ``load_checkpoint`` of a tag unickpt wrote (its commit marker, no DeepSpeed files)
-    fails deep inside DeepSpeed (``assert len(self.ckpt_list) > 0``); raise a ValueError that names the
-    tag and the config block that loads it instead. A tag of DeepSpeed's own goes on unchanged."""
-    import os
-
-    if not isinstance(load_dir, (str, os.PathLike)) or not os.path.isdir(load_dir):
-        return
-    if tag is None:
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.isfile(latest):
-            return
-        with open(latest) as f:
-            tag = f.read().strip()
-    from unickpt.ext import CheckpointDir
-
-    path = os.path.join(os.fspath(load_dir), str(tag))
-    if os.path.isfile(os.path.join(path, CheckpointDir.MARKER_NAME)) and not any(
-            n.endswith("model_states.pt") for n in os.listdir(path)):
-        raise ValueError(f"{path!r} is a unickpt checkpoint: DeepSpeed's own load_checkpoint cannot read it. Load "
-                         'it with "unickpt": {"enabled": true} in the DeepSpeed config (under the Hugging Face '
-                         "Trainer: UNICKPT_TRANSFORMERS=1)")
-
-
 def _dispatch(original: Any, name: str) -> Any:
     if getattr(original, _MARK, False):
         return original
@@ -181,7 +157,9 @@ def _dispatch(original: Any, name: str) -> Any:
         from_unickpt = getattr(getattr(self, "checkpoint_engine", None), "is_unickpt", False)
         if not from_unickpt:
             if name == "load_checkpoint":
-                _refuse_unickpt_tag(*args, **kwargs)
+                from .checkpoint import refuse_unickpt_tag
+
+                refuse_unickpt_tag(*args, **kwargs)
             return original(self, *args, **kwargs)
         from . import checkpoint
 

@@ -374,6 +374,24 @@ def _is_native_deepspeed(storage: ext.StorageBackend, path: str) -> bool:
     return any(n.endswith("_model_states.pt") for n in names)
 
 
+def refuse_unickpt_tag(load_dir: Any = None, tag: Any = None, *args: Any, **kwargs: Any) -> None:
+    """Before DeepSpeed's own ``load_checkpoint`` (an engine without the block; its arguments): a tag unickpt
+    wrote (committed, no DeepSpeed files) fails deep inside DeepSpeed (``assert len(self.ckpt_list) > 0``), so
+    raise a ValueError that names the tag and the config block that loads it instead. A tag of DeepSpeed's
+    own, or no tag at all, goes on unchanged."""
+    if not isinstance(load_dir, (str, os.PathLike)) or not os.path.isdir(load_dir):
+        return
+    storage = ext.open_storage(os.fspath(load_dir))
+    tag = tag if tag is not None else _read_latest(storage, os.fspath(load_dir))
+    if tag is None:
+        return
+    path = storage.join(os.fspath(load_dir), str(tag))
+    if ext.CheckpointDir(storage, path).is_committed() and not _is_native_deepspeed(storage, path):
+        raise ValueError(f"{path!r} is a unickpt checkpoint: DeepSpeed's own load_checkpoint cannot read it. Load "
+                         'it with "unickpt": {"enabled": true} in the DeepSpeed config (under the Hugging Face '
+                         "Trainer: UNICKPT_TRANSFORMERS=1)")
+
+
 def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
