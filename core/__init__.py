@@ -56,6 +56,7 @@ _EXPORTS = {
     "SaveFailedError": ".errors",
     "EarlierSaveFailedError": ".errors",
     "LoadFailedError": ".errors",
+    "SyncError": ".errors",
     "Mapping": ".plan.mapping",
     "Rename": ".plan.mapping",
     "Split": ".plan.mapping",
@@ -77,7 +78,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from .errors import (CheckpointExistsError, CheckpointNotFoundError, EarlierSaveFailedError,
                          FormatVersionError, IntegrityError, LoadFailedError, PerRankReshardError,
                          RankFailuresError, ReplicaMismatchError, SaveFailedError, StateMismatchError,
-                         StorageError, UnickptError, UnsafeObjectError)
+                         StorageError, SyncError, UnickptError, UnsafeObjectError)
     from .format.metadata import FORMAT_VERSION, CheckpointMetadata
     from .loading.stats import LoadStats
     from .options import LoadOptions, SaveOptions, TierOptions

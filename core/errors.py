@@ -20,6 +20,7 @@ __all__ = [
     "SaveFailedError",
     "EarlierSaveFailedError",
     "LoadFailedError",
+    "SyncError",
 ]
 
 
@@ -166,3 +167,9 @@ class LoadFailedError(RankFailuresError):
     """A load failed on one or more ranks with different errors (see :class:`RankFailuresError`)."""
 
     op = "load"
+
+
+class SyncError(UnickptError, RuntimeError):
+    """A live weight sync (:mod:`unickpt.sync`) did not deliver a version: a peer died or left mid-version,
+    a message failed its checksum twice, or the trainer's layout changed under its plan. The inference
+    side keeps the last version it applied."""

@@ -20,7 +20,7 @@ LAYERS = [
     {"unickpt.state", "unickpt.lifecycle"},
     {"unickpt.plan"},
     {"unickpt.interop"},
-    {"unickpt.saving", "unickpt.loading", "unickpt.tiers"},
+    {"unickpt.saving", "unickpt.loading", "unickpt.tiers", "unickpt.sync"},
     {"unickpt.engine", "unickpt.teardown", "unickpt.removal", "unickpt.api", "unickpt.checkpointer"},
     {"unickpt.ext"},
     {"unickpt.tools", "unickpt.testing", "unickpt._startup", "unickpt.__main__", "unickpt"},

@@ -1,0 +1,260 @@
+"""The training side of a live weight sync: :class:`Publisher`.
+
+Who does what, per :meth:`Publisher.publish` on every training rank (the caller's thread; gloo's own
+threads move the bytes):
+
+1. flatten the state (``get_model_state_dict`` for a module: no communication) into this rank's boxes;
+2. rank 0 looks at the newest subscriber generation on the store and the training ranks agree on it
+   (one broadcast of 8 bytes on the training job's private gloo group, :mod:`unickpt.sync.group`);
+3. on a new generation only: create the pair group, exchange layouts (two all-gathers on it) and plan
+   (:func:`~unickpt.plan.transfer.plan_transfers`, computed alike on every rank of both jobs, no further
+   message); the plan is reused for every later version of that generation;
+4. pack each receiver's message (a copy of this rank's boxes into one reused buffer per receiver:
+   after this the trainer may change its weights), checksum it, and send it, or, in delta mode, only the
+   words that changed since the version that receiver acknowledged last (:mod:`unickpt.sync.wire`);
+5. wait for each receiver's acknowledgement; resend a message in full when asked (checksum mismatch).
+
+No gather on one rank: each rank sends only the bytes it holds, straight to the inference ranks that
+need them, each byte once per inference rank that needs it, replicas balanced over their holders.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..dist.comm import Comm
+from ..errors import StateMismatchError, SyncError
+from ..format.dtypes import str_to_dtype
+from ..plan.transfer import (PairPlan, SourceEntry, needs_from_json, plan_transfers, sources_from_json,
+                             sources_to_json)
+from . import wire
+from .group import Generations, PairGroup, broadcast_int, open_store
+from .tensors import Held, local_view, published, state_of
+
+__all__ = ["Publisher", "PublishReport"]
+
+TAG_HEADER, TAG_PAYLOAD, TAG_ACK = 1, 2, 3
+
+
+@dataclass
+class PublishReport:
+    """One :meth:`Publisher.publish` on one training rank.
+
+    ``subscribers``: inference ranks served (0: no inference job has joined); ``bytes_sent``: payload
+    bytes this rank sent (resends included); ``full_bytes``: what a full version costs this rank;
+    ``delta_pairs`` / ``full_pairs`` / ``resent_pairs``: messages by kind; ``seconds``: the whole call,
+    ``plan_seconds`` (of it: joining a new generation, exchanging layouts and planning; 0.0 when the plan
+    was reused), ``pack_seconds`` (copying the weights into the send buffers: the part that blocks the
+    trainer's weights); ``history_bytes``: memory the delta mode keeps (the last acknowledged version of
+    each message).
+    """
+
+    version: int
+    subscribers: int = 0
+    generation: int = 0
+    bytes_sent: int = 0
+    full_bytes: int = 0
+    full_pairs: int = 0
+    delta_pairs: int = 0
+    resent_pairs: int = 0
+    seconds: float = 0.0
+    plan_seconds: float = 0.0
+    pack_seconds: float = 0.0
+    history_bytes: int = 0
+
+
+class _Pair:
+    """One receiver's message buffers on this sender: ``buf`` (packed each version) and, in delta mode,
+    ``prev`` (the version the receiver acknowledged last; None until it acknowledged one)."""
+
+    def __init__(self, plan: PairPlan, receiver: int, delta: bool, device: torch.device):
+        self.plan, self.receiver = plan, receiver
+        self.buf = torch.zeros(plan.nbytes, dtype=torch.uint8, device=device)
+        self.spare = torch.zeros(plan.nbytes, dtype=torch.uint8, device=device) if delta else None
+        self.prev: torch.Tensor | None = None
+        self.prev_version = -1
+
+
+class Publisher:
+    """Publishes a training job's weights to an inference job's ranks, in memory, each version.
+
+    Args:
+        state: what to publish: an ``nn.Module`` (plain, DDP, FSDP2: its ``get_model_state_dict``), a dict
+            ``{name: Tensor | DTensor | unickpt.Shard | [Shard, ...]}``, or a callable returning one
+            (called at each publish). Every training rank passes its own part.
+        address: the rendezvous, ``"host:port"`` (hosted by training rank 0) or a ``torch.distributed.Store``.
+        dtype: publish floating-point tensors in this dtype (cast while packing, e.g. fp32 master weights
+            to a bf16 inference model); None: as they are (the subscriber's dtypes must then match).
+        delta: send only the words changed since the receiver's last version (full on the first version
+            of a generation, when the change is not under half the message, and on a checksum mismatch).
+        process_group: the training ranks (default: the world; ``unickpt.ext.THIS_PROCESS``: this process alone).
+        timeout_s: deadline of each message and of joining a generation (seconds).
+
+    Raises ValueError for a malformed address. Call :meth:`close` when done (also a context manager).
+    """
+
+    def __init__(self, state: Any, address: Any, *, dtype: torch.dtype | None = None, delta: bool = False,
+                 process_group: Any = None, timeout_s: float = 300.0):
+        self.state, self.dtype, self.delta, self.timeout_s = state, dtype, delta, timeout_s
+        self.comm = Comm(process_group, timeout_s=timeout_s)
+        self.rank, self.world = self.comm.rank, self.comm.world_size
+        self.store = open_store(address, host=self.rank == 0, timeout_s=timeout_s)
+        self.gens = Generations(self.store)
+        self.generation = 0
+        self.group: PairGroup | None = None
+        self.subscribers = 0
+        self._entries: list[SourceEntry] = []
+        self._pairs: list[_Pair] = []
+        self._seq = 0  # versions sent in this generation
+
+    # -- the generation ---------------------------------------------------------------------------------
+    def _decide(self) -> int:
+        """The generation to serve (0: none), agreed by the training ranks."""
+        choice = self.generation
+        if self.rank == 0:
+            newest = self.gens.newest()
+            if newest > self.generation and self.gens.claim(newest, self.world):
+                choice = newest
+            elif self.generation and self.gens.closed(self.generation):
+                choice = 0
+        return broadcast_int(self.comm, choice)
+
+    def _join(self, g: int, entries: list[SourceEntry], device: torch.device) -> None:
+        subs = self.gens.subscribers(g, self.timeout_s)
+        group = PairGroup(self.store, g, self.rank, self.world + subs, device, self.timeout_s)
+        self.group, self.generation, self.subscribers, self._seq = group, g, subs, 0
+        docs = group.allgather_bytes(sources_to_json(entries))
+        sources = [sources_from_json(d) for d in docs[: self.world]]
+        answers = [needs_from_json(d) for d in group.allgather_bytes(b"")[self.world:]]
+        for r, (_, error) in enumerate(answers):
+            if error is not None:
+                raise StateMismatchError(f"inference rank {r}: {error}")
+        plan = plan_transfers(sources, [n for n, _ in answers])
+        self._entries = entries
+        self._pairs = [_Pair(plan.pairs[(self.rank, r)], r, self.delta, device) for r in plan.receivers_of(self.rank)]
+
+    def _drop(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group, self._pairs, self.subscribers = None, [], 0
+
+    # -- one version --------------------------------------------------------------------------------------
+    def publish(self, version: int) -> PublishReport:
+        """Send the current weights as ``version`` (an int that grows) to the inference job, if one has
+        joined; returns when every receiver acknowledged it. Collective over the training ranks.
+
+        Raises SyncError when an inference rank fails or leaves mid-version (the generation is dropped;
+        a new one joins at a later publish), StateMismatchError when the inference side's tensors do not
+        match what is published (named), SyncError when this rank's layout changed under the plan."""
+        t0 = time.perf_counter()
+        entries, held = published(state_of(self.state), self.dtype)
+        device = held[0].tensor.device if held else torch.device("cpu")
+        report = PublishReport(version)
+        g = self._decide()
+        if g != self.generation or (g and self.group is None):
+            self._drop()
+            self.generation = g
+            if g:
+                try:
+                    self._join(g, entries, device if device.type == "cuda" else torch.device("cpu"))
+                except Exception:
+                    self._drop()
+                    raise
+                report.plan_seconds = time.perf_counter() - t0
+        if self.group is None:
+            report.seconds = time.perf_counter() - t0
+            return report
+        if entries != self._entries:
+            changed = sorted({e.name for e in set(entries) ^ set(self._entries)})[:5]
+            self._drop()
+            raise SyncError(f"this rank's published layout changed since generation {self.generation} was planned "
+                            f"(first tensors that differ: {changed}); keep the layout fixed or make a new Publisher")
+        report.generation, report.subscribers = self.generation, self.subscribers
+        try:
+            self._send(version, held, report)
+        except (RuntimeError, ValueError) as e:
+            g = self.generation
+            self._drop()
+            if isinstance(e, SyncError):
+                raise
+            raise SyncError(f"version {version} not delivered to the inference ranks of generation {g}: {e}") from e
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def _pack(self, pair: _Pair, held: list[Held]) -> None:
+        for it in pair.plan.items:
+            e = self._entries[it.entry]
+            dst = pair.buf[it.offset:it.offset + it.nbytes].view(str_to_dtype(e.dtype)).view(it.at.lengths)
+            dst.copy_(local_view(held[it.entry], it.at))
+
+    def _encode(self, pair: _Pair) -> tuple[int, torch.Tensor, int]:
+        """``(kind, payload, changed words)`` of this version's message to ``pair``'s receiver."""
+        if pair.prev is not None:
+            delta = wire.encode_delta(pair.buf, pair.prev, pair.plan.word)
+            if delta is not None:
+                return wire.DELTA, delta[0], delta[2]
+        return wire.FULL, pair.buf, 0
+
+    def _post(self, payload: torch.Tensor, dst: int) -> Any:
+        """Send one message's payload to pair-group rank ``dst`` (the transport step)."""
+        assert self.group is not None
+        return self.group.send_data(payload, dst, TAG_PAYLOAD)
+
+    def _send(self, version: int, held: list[Held], report: PublishReport) -> None:
+        group = self.group
+        assert group is not None
+        t = time.perf_counter()
+        for pair in self._pairs:
+            self._pack(pair, held)
+        report.pack_seconds = time.perf_counter() - t
+        self._seq += 1
+        if self.rank == 0:
+            self.gens.announce(self.generation, self._seq, version)
+        works, acks = [], []
+        for pair in self._pairs:
+            kind, payload, changed = self._encode(pair)
+            dst = self.world + pair.receiver
+            hdr = wire.header(version, kind, payload.numel(), wire.digest(payload), changed, pair.prev_version)
+            works.append(group.send_control(hdr, dst, TAG_HEADER))
+            if payload.numel():
+                works.append(self._post(payload, dst))
+            ack = torch.empty(1, dtype=torch.int64)
+            acks.append((pair, ack, group.recv_control(ack, dst, TAG_ACK)))
+            report.bytes_sent += payload.numel()
+            report.full_bytes += pair.plan.nbytes
+            report.delta_pairs += kind == wire.DELTA
+            report.full_pairs += kind == wire.FULL
+        for w in works:
+            w.wait(group.timeout)
+        for pair, ack, work in acks:
+            work.wait(group.timeout)
+            dst = self.world + pair.receiver
+            if int(ack.item()) == wire.RESEND:
+                report.resent_pairs += 1
+                report.bytes_sent += pair.plan.nbytes
+                group.send_control(wire.header(version, wire.FULL, pair.plan.nbytes, wire.digest(pair.buf), 0), dst,
+                                   TAG_HEADER).wait(group.timeout)
+                group.send_data(pair.buf, dst, TAG_PAYLOAD).wait(group.timeout)
+                group.recv_control(ack, dst, TAG_ACK).wait(group.timeout)
+            if int(ack.item()) != wire.OK:
+                raise SyncError(f"version {version}: inference rank {pair.receiver} could not verify this rank's "
+                                "message even after a full resend")
+            if self.delta:  # the acknowledged version is the next delta's base
+                assert pair.spare is not None
+                pair.prev, pair.buf, pair.spare = pair.buf, pair.spare, pair.buf
+                pair.prev_version = version
+        report.history_bytes = sum(p.plan.nbytes for p in self._pairs if p.prev is not None)
+
+    def close(self) -> None:
+        """Leave the current generation (the inference ranks see the trainer gone at their next receive)."""
+        self._drop()
+        self.comm.close()
+
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
