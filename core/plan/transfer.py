@@ -14,7 +14,8 @@ Face ``q_proj`` / ``k_proj`` / ``v_proj``). Two steps, both pure (no torch, no I
    sent by the least-loaded of them, largest pieces first (ByteCheckpoint's balanced writes of replicas),
    so each byte an inference rank needs is sent to it exactly once and the senders' bytes are balanced.
    The result is one :class:`PairPlan` per (sender, receiver): items laid back to back (64-byte
-   aligned) in one message buffer, in an order both ends derive alike.
+   aligned) in one message buffer, in an order both ends derive alike; elements two targets of one
+   receiver need (a tied name served by one published tensor) travel once and are copied twice.
 
 The plan depends only on the two layouts, so a publisher computes it once per subscriber group and
 reuses it for every version. Raises :class:`~unickpt.errors.StateMismatchError` naming the tensor when
@@ -29,7 +30,7 @@ from typing import Callable, Sequence
 
 from ..errors import StateMismatchError
 from ..geometry import Box, intersect
-from .mapping import Mapping, Unresolved
+from .mapping import Mapping, Rename, Unresolved
 
 __all__ = ["SourceEntry", "TargetEntry", "Need", "Item", "PairPlan", "TransferPlan", "resolve_needs",
            "plan_transfers", "ALIGN", "sources_to_json", "sources_from_json", "needs_to_json", "needs_from_json"]
@@ -124,12 +125,22 @@ def _shift(box: Box, src: tuple[int, ...], dst: tuple[int, ...]) -> Box:
 
 
 def resolve_needs(targets: Sequence[TargetEntry], published: Callable[[str], "tuple[tuple[int, ...], str] | None"],
-                  mapping: Mapping | None = None) -> list[Need]:
+                  mapping: Mapping | None = None, published_aliases: dict[str, str] | None = None,
+                  own_aliases: dict[str, str] | None = None) -> list[Need]:
     """One inference rank's needs: each target resolved through ``mapping`` (None: names as they are)
-    over the published tensors (``published(name) -> (shape, dtype name) | None``), cut to the box the
-    rank holds. Raises StateMismatchError naming the target when no published tensor serves it or its
-    shape or dtype differs (no cast: publish in the inference dtype, ``Publisher(dtype=...)``)."""
-    resolve = (mapping or Mapping()).resolver(published)
+    over the published tensors (``published(name) -> (shape, dtype name) | None``; a name the trainer
+    ties to another, ``published_aliases``, is that tensor), cut to the box the rank holds.
+
+    Raises StateMismatchError naming the target when no published tensor serves it, its shape or dtype
+    differs (no cast: publish in the inference dtype, ``Publisher(dtype=...)``), or it is tied here
+    (``own_aliases``: the tied name is not a target of its own) while the trainer publishes it as a
+    tensor of its own, whose values this model could not hold."""
+    for name, first in sorted((own_aliases or {}).items()):
+        if published(name) is not None:
+            raise StateMismatchError(f"{name!r} is tied to {first!r} in the inference model, but the trainer "
+                                     "publishes it as a tensor of its own; tie the trainer's or untie this model's")
+    extra = [Rename(a, b) for a, b in sorted((published_aliases or {}).items())]
+    resolve = (mapping or Mapping()).resolver(published, extra)
     out: list[Need] = []
     for i, t in enumerate(targets):
         if t.box.numel == 0:
@@ -212,8 +223,13 @@ def plan_transfers(sources: Sequence[Sequence[SourceEntry]], needs: Sequence[Seq
     for (s, r), rows in sorted(chosen.items()):
         plan = PairPlan(s, r)
         off = 0
+        placed: dict[tuple[int, Box], int] = {}  # the same elements for two targets (tied names): sent once
         for _, _, entry, at, target, region, itemsize, nbytes in sorted(rows, key=lambda x: (x[0], x[1])):
+            if (entry, at) in placed:
+                plan.items.append(Item(entry, at, target, region, itemsize, placed[(entry, at)], nbytes))
+                continue
             off = -(-off // ALIGN) * ALIGN
+            placed[(entry, at)] = off
             plan.items.append(Item(entry, at, target, region, itemsize, off, nbytes))
             off += nbytes
             plan.word = min(plan.word, itemsize)
@@ -224,14 +240,17 @@ def plan_transfers(sources: Sequence[Sequence[SourceEntry]], needs: Sequence[Seq
 
 
 # -- the layout exchange's documents (JSON, no pickle) -------------------------------------------------
-def sources_to_json(entries: Sequence[SourceEntry]) -> bytes:
-    """One training rank's entries as the bytes its rank sends in the layout exchange."""
-    return json.dumps([[e.name, e.dtype, list(e.shape), list(e.box.offsets), list(e.box.lengths), e.itemsize]
-                       for e in entries]).encode()
+def sources_to_json(entries: Sequence[SourceEntry], aliases: dict[str, str] | None = None) -> bytes:
+    """One training rank's entries and aliases (tied names) as the bytes it sends in the layout exchange."""
+    return json.dumps({"entries": [[e.name, e.dtype, list(e.shape), list(e.box.offsets), list(e.box.lengths),
+                                    e.itemsize] for e in entries], "aliases": dict(aliases or {})}).encode()
 
 
-def sources_from_json(data: bytes) -> list[SourceEntry]:
-    return [SourceEntry(n, d, tuple(s), Box(tuple(o), tuple(l)), int(i)) for n, d, s, o, l, i in json.loads(data)]
+def sources_from_json(data: bytes) -> tuple[list[SourceEntry], dict[str, str]]:
+    """``(entries, aliases)`` of a training rank's exchange bytes."""
+    doc = json.loads(data)
+    return ([SourceEntry(n, d, tuple(s), Box(tuple(o), tuple(l)), int(i)) for n, d, s, o, l, i in doc["entries"]],
+            dict(doc["aliases"]))
 
 
 def needs_to_json(needs: Sequence[Need] | None, error: str | None = None) -> bytes:

@@ -8,8 +8,10 @@ at one TCP store (``"host:port"``; the publisher's rank 0 hosts it, every other 
 version) its rank 0 registers a new generation ``g`` (one ``store.add``) with the job's size. At each
 publish the training job's rank 0 looks at the newest generation (one ``store.add(key, 0)``); a newer
 one than it serves is *claimed* with a ``compare_set`` of a random token (so a restarted trainer never
-joins a generation another trainer already formed) and announced to the training ranks with one
-broadcast of a small integer on the training job's private gloo group (:class:`~unickpt.dist.comm.Comm`).
+joins a generation another trainer already formed) and agreed by the training ranks with one all-reduce
+of two integers on the training job's private gloo group (:class:`~unickpt.dist.comm.Comm`): rank 0's
+choice, and whether any rank lost the current generation (a failed version), which then drops it on
+every rank.
 Both jobs then create the pair group of generation ``g`` over the store (prefix ``unickpt_sync/g<g>/``):
 training ranks ``0..T-1``, inference ranks ``T..T+S-1``. That is how a subscriber that joins late gets
 its first version, which is always full (the sender's delta history belongs to the previous generation).
@@ -30,7 +32,7 @@ import torch.distributed as dist
 
 from ..dist.comm import Comm
 
-__all__ = ["KEY", "open_store", "Generations", "PairGroup", "broadcast_int"]
+__all__ = ["KEY", "open_store", "Generations", "PairGroup", "broadcast_int", "max_ints"]
 
 KEY = "unickpt_sync"
 
@@ -55,6 +57,16 @@ def broadcast_int(comm: Comm, value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.broadcast(t, src=comm.ranks[0], group=comm.plan_group)
     return int(t.item())
+
+
+def max_ints(comm: Comm, values: list[int]) -> list[int]:
+    """The element-wise maximum of every rank's ``values`` (one all-reduce of a few int64 on ``comm``'s
+    private gloo group)."""
+    if comm.world_size == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.plan_group)
+    return [int(x) for x in t.tolist()]
 
 
 class Generations:

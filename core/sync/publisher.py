@@ -5,7 +5,7 @@ threads move the bytes):
 
 1. flatten the state (``get_model_state_dict`` for a module: no communication) into this rank's boxes;
 2. rank 0 looks at the newest subscriber generation on the store and the training ranks agree on it
-   (one broadcast of 8 bytes on the training job's private gloo group, :mod:`unickpt.sync.group`);
+   (one all-reduce of two int64 on the training job's private gloo group, :mod:`unickpt.sync.group`);
 3. on a new generation only: create the pair group, exchange layouts (two all-gathers on it) and plan
    (:func:`~unickpt.plan.transfer.plan_transfers`, computed alike on every rank of both jobs, no further
    message); the plan is reused for every later version of that generation;
@@ -16,9 +16,15 @@ threads move the bytes):
 
 No gather on one rank: each rank sends only the bytes it holds, straight to the inference ranks that
 need them, each byte once per inference rank that needs it, replicas balanced over their holders.
+
+Failures on the inference side (its tensors do not match, it leaves or dies mid-version) drop the
+generation on every training rank; by default they are logged as a warning and recorded in
+:attr:`PublishReport.error`, so that training goes on and a new inference job can join
+(``strict=True`` raises them instead).
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +37,12 @@ from ..format.dtypes import str_to_dtype
 from ..plan.transfer import (PairPlan, SourceEntry, needs_from_json, plan_transfers, sources_from_json,
                              sources_to_json)
 from . import wire
-from .group import Generations, PairGroup, broadcast_int, open_store
+from .group import Generations, PairGroup, max_ints, open_store
 from .tensors import Held, local_view, published, state_of
 
 __all__ = ["Publisher", "PublishReport"]
+
+log = logging.getLogger(__name__)
 
 TAG_HEADER, TAG_PAYLOAD, TAG_ACK = 1, 2, 3
 
@@ -49,7 +57,8 @@ class PublishReport:
     ``plan_seconds`` (of it: joining a new generation, exchanging layouts and planning; 0.0 when the plan
     was reused), ``pack_seconds`` (copying the weights into the send buffers: the part that blocks the
     trainer's weights); ``history_bytes``: memory the delta mode keeps (the last acknowledged version of
-    each message).
+    each message); ``error``: why the inference ranks did not get this version (None: they did, or none
+    has joined), with ``strict=False``.
     """
 
     version: int
@@ -64,6 +73,7 @@ class PublishReport:
     plan_seconds: float = 0.0
     pack_seconds: float = 0.0
     history_bytes: int = 0
+    error: str | None = None
 
 
 class _Pair:
@@ -92,13 +102,15 @@ class Publisher:
             of a generation, when the change is not under half the message, and on a checksum mismatch).
         process_group: the training ranks (default: the world; ``unickpt.ext.THIS_PROCESS``: this process alone).
         timeout_s: deadline of each message and of joining a generation (seconds).
+        strict: raise the inference side's failures from :meth:`publish` (SyncError, StateMismatchError);
+            False (default): log them, record them in :attr:`PublishReport.error` and go on.
 
     Raises ValueError for a malformed address. Call :meth:`close` when done (also a context manager).
     """
 
     def __init__(self, state: Any, address: Any, *, dtype: torch.dtype | None = None, delta: bool = False,
-                 process_group: Any = None, timeout_s: float = 300.0):
-        self.state, self.dtype, self.delta, self.timeout_s = state, dtype, delta, timeout_s
+                 process_group: Any = None, timeout_s: float = 300.0, strict: bool = False):
+        self.state, self.dtype, self.delta, self.timeout_s, self.strict = state, dtype, delta, timeout_s, strict
         self.comm = Comm(process_group, timeout_s=timeout_s)
         self.rank, self.world = self.comm.rank, self.comm.world_size
         self.store = open_store(address, host=self.rank == 0, timeout_s=timeout_s)
@@ -112,22 +124,27 @@ class Publisher:
 
     # -- the generation ---------------------------------------------------------------------------------
     def _decide(self) -> int:
-        """The generation to serve (0: none), agreed by the training ranks."""
-        choice = self.generation
+        """The generation to serve (0: none), agreed by the training ranks: rank 0's choice (a newer
+        generation it claimed, none when the inference job closed the current one), and none when any
+        rank lost the current one in a failed version."""
+        choice = 0
         if self.rank == 0:
+            choice = self.generation
             newest = self.gens.newest()
             if newest > self.generation and self.gens.claim(newest, self.world):
                 choice = newest
             elif self.generation and self.gens.closed(self.generation):
                 choice = 0
-        return broadcast_int(self.comm, choice)
+        lost = int(bool(self.generation) and self.group is None)
+        choice, lost = max_ints(self.comm, [choice, lost])
+        return 0 if lost and choice == self.generation else choice
 
-    def _join(self, g: int, entries: list[SourceEntry], device: torch.device) -> None:
+    def _join(self, g: int, entries: list[SourceEntry], aliases: dict[str, str], device: torch.device) -> None:
         subs = self.gens.subscribers(g, self.timeout_s)
         group = PairGroup(self.store, g, self.rank, self.world + subs, device, self.timeout_s)
         self.group, self.generation, self.subscribers, self._seq = group, g, subs, 0
-        docs = group.allgather_bytes(sources_to_json(entries))
-        sources = [sources_from_json(d) for d in docs[: self.world]]
+        docs = group.allgather_bytes(sources_to_json(entries, aliases))
+        sources = [sources_from_json(d)[0] for d in docs[: self.world]]
         answers = [needs_from_json(d) for d in group.allgather_bytes(b"")[self.world:]]
         for r, (_, error) in enumerate(answers):
             if error is not None:
@@ -146,23 +163,25 @@ class Publisher:
         """Send the current weights as ``version`` (an int that grows) to the inference job, if one has
         joined; returns when every receiver acknowledged it. Collective over the training ranks.
 
-        Raises SyncError when an inference rank fails or leaves mid-version (the generation is dropped;
-        a new one joins at a later publish), StateMismatchError when the inference side's tensors do not
-        match what is published (named), SyncError when this rank's layout changed under the plan."""
+        The inference side's failures (every training rank drops the generation; a new one joins at a
+        later publish): with ``strict``, SyncError when an inference rank fails or leaves mid-version and
+        StateMismatchError when its tensors do not match what is published (named); without, the same
+        messages in :attr:`PublishReport.error` and a warning. Always raised: SyncError when this rank's
+        layout changed under the plan."""
         t0 = time.perf_counter()
-        entries, held = published(state_of(self.state), self.dtype)
+        entries, held, aliases = published(state_of(self.state), self.dtype)
         device = held[0].tensor.device if held else torch.device("cpu")
         report = PublishReport(version)
         g = self._decide()
-        if g != self.generation or (g and self.group is None):
+        if g != self.generation:
             self._drop()
             self.generation = g
             if g:
                 try:
-                    self._join(g, entries, device if device.type == "cuda" else torch.device("cpu"))
-                except Exception:
+                    self._join(g, entries, aliases, device if device.type == "cuda" else torch.device("cpu"))
+                except (StateMismatchError, RuntimeError) as e:
                     self._drop()
-                    raise
+                    return self._failed(report, e, t0)
                 report.plan_seconds = time.perf_counter() - t0
         if self.group is None:
             report.seconds = time.perf_counter() - t0
@@ -178,14 +197,29 @@ class Publisher:
         except (RuntimeError, ValueError) as e:
             g = self.generation
             self._drop()
-            if isinstance(e, SyncError):
-                raise
-            raise SyncError(f"version {version} not delivered to the inference ranks of generation {g}: {e}") from e
+            if g and self.gens.closed(g):  # the inference job closed while this version was on its way
+                report.subscribers, report.seconds = 0, time.perf_counter() - t0
+                return report
+            if not isinstance(e, SyncError):
+                e = SyncError(f"version {version} not delivered to the inference ranks of generation {g}: {e}")
+            return self._failed(report, e, t0)
         report.seconds = time.perf_counter() - t0
         return report
 
+    def _failed(self, report: PublishReport, error: Exception, t0: float) -> PublishReport:
+        """A failure on the inference side: raised with ``strict``, else logged and reported."""
+        if self.strict:
+            raise error
+        log.warning("unickpt.sync: %s (training goes on; a new inference job can join)", error)
+        report.error, report.subscribers, report.seconds = str(error), 0, time.perf_counter() - t0
+        return report
+
     def _pack(self, pair: _Pair, held: list[Held]) -> None:
+        packed: set[int] = set()
         for it in pair.plan.items:
+            if it.offset in packed:  # the same elements for a second target of the receiver
+                continue
+            packed.add(it.offset)
             e = self._entries[it.entry]
             dst = pair.buf[it.offset:it.offset + it.nbytes].view(str_to_dtype(e.dtype)).view(it.at.lengths)
             dst.copy_(local_view(held[it.entry], it.at))

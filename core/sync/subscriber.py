@@ -114,14 +114,16 @@ class Subscriber:
     def _join(self, timeout_s: float) -> None:
         g = broadcast_int(self.comm, self.gens.register(self.world) if self.rank == 0 else 0)
         pubs = self.gens.publishers(g, timeout_s)
-        entries, held = targets(self.target)
+        entries, held, own_aliases = targets(self.target)
         device = held[0].tensor.device if held and held[0].tensor.device.type == "cuda" else torch.device("cpu")
         group = PairGroup(self.store, g, pubs + self.rank, pubs + self.world, device, self.timeout_s)
         self.group, self.generation, self.publishers, self._seq = group, g, pubs, 0
-        sources = [sources_from_json(d) for d in group.allgather_bytes(b"")[:pubs]]
+        docs = [sources_from_json(d) for d in group.allgather_bytes(b"")[:pubs]]
+        sources = [entries_ for entries_, _ in docs]
         shapes = {e.name: (e.shape, e.dtype) for s in sources for e in s}
+        aliases = docs[0][1] if docs else {}
         try:
-            mine = needs_to_json(resolve_needs(entries, shapes.get, self.mapping))
+            mine = needs_to_json(resolve_needs(entries, shapes.get, self.mapping, aliases, own_aliases))
         except StateMismatchError as e:
             mine = needs_to_json(None, str(e))
         answers = [needs_from_json(d) for d in group.allgather_bytes(mine)[pubs:]]
@@ -293,9 +295,13 @@ class Subscriber:
         return report
 
     def close(self) -> None:
-        """Leave: the trainer drops this generation at its next publish."""
+        """Leave: the trainer drops this generation at its next publish (or, if a version is on its way,
+        when its transfer breaks off: it sees the generation closed, not failed). Collective over the
+        inference ranks: rank 0 marks the generation closed before any rank drops its connections."""
         if self.group is not None and self.rank == 0:
             self.gens.close(self.generation)
+        if self.comm.world_size > 1:
+            dist.barrier(group=self.comm.plan_group)
         self._drop()
         self.comm.close()
 

@@ -87,41 +87,45 @@ def _storage_key(t: torch.Tensor) -> tuple | None:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
-def _collect(state: dict) -> list[Held]:
+def _collect(state: dict) -> tuple[list[Held], dict[str, str]]:
+    """The tensors of ``state`` and its aliases ``{name: earlier name}`` (tied tensors: same storage)."""
     out: list[Held] = []
-    seen: set[tuple] = set()
+    seen: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
     for name in state:
         held = _held(name, state[name])
         keys = [_storage_key(h.tensor) for h in held]
         if held and all(k is not None and k in seen for k in keys):
-            continue  # tied to a tensor published under an earlier name
-        seen.update(k for k in keys if k is not None)
+            aliases[name] = seen[keys[0]]  # type: ignore[index]
+            continue
+        seen.update((k, name) for k in keys if k is not None)
         out += held
-    return out
+    return out, aliases
 
 
-def published(state: dict, dtype: torch.dtype | None = None) -> tuple[list[SourceEntry], list[Held]]:
+def published(state: dict, dtype: torch.dtype | None = None) -> tuple[list[SourceEntry], list[Held], dict[str, str]]:
     """This training rank's entries (``dtype``: publish in this dtype, cast while packing; None: each
-    tensor's own) and the tensors they name."""
-    held = _collect(state)
+    tensor's own), the tensors they name and the aliases (tied names, published once)."""
+    held, aliases = _collect(state)
     entries = []
     for h in held:
         d = dtype if dtype is not None and h.dtype.is_floating_point else h.dtype
         entries.append(SourceEntry(h.name, dtype_to_str(d), h.shape, h.box, torch.empty((), dtype=d).element_size()))
-    return entries, held
+    return entries, held, aliases
 
 
-def targets(obj: Any) -> tuple[list[TargetEntry], list[Held]]:
+def targets(obj: Any) -> tuple[list[TargetEntry], list[Held], dict[str, str]]:
     """This inference rank's targets: a module's tensors (in place), or full tensors allocated for a
-    ``{name: (shape, dtype)}`` template (the ``load_weights`` adapter)."""
+    ``{name: (shape, dtype)}`` template (the ``load_weights`` adapter); and its aliases (tied names)."""
+    aliases: dict[str, str] = {}
     if isinstance(obj, dict) and all(isinstance(v, tuple) and len(v) == 2 for v in obj.values()):
         held = []
         for name, (shape, dt) in obj.items():
             shape = tuple(int(n) for n in shape)
             held.append(Held(name, shape, dt, Box((0,) * len(shape), shape), torch.empty(shape, dtype=dt)))
     else:
-        held = _collect(state_of(obj))
-    return [TargetEntry(h.name, dtype_to_str(h.dtype), h.shape, h.box) for h in held], held
+        held, aliases = _collect(state_of(obj))
+    return [TargetEntry(h.name, dtype_to_str(h.dtype), h.shape, h.box) for h in held], held, aliases
 
 
 def local_view(h: Held, box: Box) -> torch.Tensor:

@@ -19,6 +19,9 @@ no pass over the whole buffer on either side: the base is pinned by its version 
 """
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
 import xxhash
 
@@ -30,6 +33,7 @@ OK, RESEND, FAILED = 0, 1, 2
 HEADER_WORDS = 6
 WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _INDEX_BYTES = 4
+_NP_WORDS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def digest(buf: torch.Tensor) -> int:
@@ -48,29 +52,61 @@ def encode_delta(cur: torch.Tensor, prev: torch.Tensor, word: int) -> tuple[torc
     as ``(payload, changed word indices (int64, sorted), changed words)``, or None when it would not be
     under half of ``cur``'s bytes (or the buffer has 2**31 words or more, past int32 indices).
 
-    Changed 8-byte blocks are found first (one compare and one ``nonzero`` over ``n / 8`` elements), then
-    the changed ``word``-byte words inside those blocks only: about 2.5x cheaper than comparing word by
-    word when few values change."""
-    wd = WORD_DTYPES[word]
+    The changed 8-byte blocks are found first (one compare and one ``nonzero`` over ``n / 8`` elements),
+    then the changed ``word``-byte words inside those blocks only (the non-zero lanes of their XOR). On
+    the CPU this runs in numpy, whose ``flatnonzero`` is several times faster than torch's ``nonzero``
+    (45 MB with 2 % of bf16 words changed: about 12 ms against 60 ms on one core of this machine)."""
     if cur.numel() // word >= 1 << 31:
         return None
-    blocks = torch.nonzero(cur.view(torch.int64) != prev.view(torch.int64)).flatten()
-    if blocks.numel() * (_INDEX_BYTES + word) * 2 >= cur.numel():  # at least one changed word per block
-        return None
-    per = 8 // word
-    if per > 1:  # the changed words inside the changed blocks: the XOR's non-zero lanes
-        x = cur.view(torch.int64)[blocks] ^ prev.view(torch.int64)[blocks]
-        rows, cols = torch.nonzero(x.view(wd).view(-1, per), as_tuple=True)
-        idx, values = blocks[rows] * per + cols, cur.view(wd).view(-1, per)[blocks[rows], cols]
-    else:
-        idx, values = blocks, cur.view(wd)[blocks]
+    if cur.device.type == "cpu":
+        idx_np, values_np = _changed_numpy(cur.numpy(), prev.numpy(), word, cur.numel())
+        if idx_np is None:
+            return None
+        idx, values = torch.from_numpy(idx_np), torch.from_numpy(values_np)
+    else:  # pragma: no cover - CUDA: the compare runs at memory speed on the device
+        got = _changed_torch(cur, prev, word)
+        if got is None:
+            return None
+        idx, values = got
     n = idx.numel()
     if n * (_INDEX_BYTES + word) * 2 >= cur.numel():
         return None
     payload = torch.empty(n * (_INDEX_BYTES + word), dtype=torch.uint8, device=cur.device)
     payload[: n * _INDEX_BYTES].view(torch.int32).copy_(idx)
-    payload[n * _INDEX_BYTES:].view(wd).copy_(values)
+    payload[n * _INDEX_BYTES:].view(WORD_DTYPES[word]).copy_(values)
     return payload, idx, n
+
+
+def _worth(blocks: int, word: int, nbytes: int) -> bool:
+    return blocks * (_INDEX_BYTES + word) * 2 < nbytes  # at least one changed word per changed block
+
+
+def _changed_numpy(cur: Any, prev: Any, word: int, nbytes: int) -> tuple[Any, Any]:
+    c64, p64 = cur.view(np.int64), prev.view(np.int64)
+    blocks = np.flatnonzero(c64 != p64)
+    if not _worth(blocks.size, word, nbytes):
+        return None, None
+    wd = _NP_WORDS[word]
+    per = 8 // word
+    if per == 1:
+        return blocks, c64[blocks]
+    lanes = np.flatnonzero((c64[blocks] ^ p64[blocks]).view(wd))
+    idx = blocks[lanes // per] * per + lanes % per
+    return idx, cur.view(wd)[idx]
+
+
+def _changed_torch(cur: torch.Tensor, prev: torch.Tensor, word: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    c64, p64 = cur.view(torch.int64), prev.view(torch.int64)
+    blocks = torch.nonzero(c64 != p64).flatten()
+    if not _worth(blocks.numel(), word, cur.numel()):
+        return None
+    wd = WORD_DTYPES[word]
+    per = 8 // word
+    if per == 1:
+        return blocks, c64[blocks]
+    lanes = torch.nonzero((c64[blocks] ^ p64[blocks]).view(wd)).flatten()
+    idx = blocks[lanes // per] * per + lanes % per
+    return idx, cur.view(wd)[idx]
 
 
 def decode_delta(payload: torch.Tensor, changed: int, word: int, nwords: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,12 +13,12 @@ from unickpt.sync import Publisher, Subscriber
 HEADS, GROUPS, HEAD_DIM = 4, 2, 8
 
 
-def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32):
+def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, tie: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=128, hidden_size=HEADS * HEAD_DIM, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=HEADS, num_key_value_heads=GROUPS, tie_word_embeddings=False)
+                      num_attention_heads=HEADS, num_key_value_heads=GROUPS, tie_word_embeddings=tie)
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
@@ -36,7 +36,7 @@ def publish_when_joined(pub: Publisher, version: int, wait_s: float = 60.0):
     deadline = time.time() + wait_s
     while True:
         rep = pub.publish(version)
-        if rep.subscribers or time.time() > deadline:
+        if rep.subscribers or rep.error or time.time() > deadline:
             return rep
         time.sleep(0.1)
 
@@ -358,11 +358,7 @@ def dying_trainer(rank, world, addr):
     publish_when_joined(pub, 1)
     state.clear()
     state.update(_plain_state(2, rank, world))
-    error = None
-    try:
-        pub.publish(2)
-    except unickpt.SyncError as e:
-        error = str(e)
+    error = pub.publish(2).error  # not raised (strict=False): training would go on
     while pub.store.add("test/subscriber_done", 0) == 0:  # rank 0 hosts the rendezvous store: stay up
         time.sleep(0.05)
     return {"error": error}
@@ -394,3 +390,79 @@ def dying_subscriber(rank, world, addr):
     sub.store.add("test/subscriber_done", 1)
     return {"first": first, "error": error, "kept_version_1": kept, "version": sub.version, "again": again,
             "apply": staged}
+
+
+# -- the inference side's mistakes do not stop training; tied embeddings ----------------------------------------
+def mismatch_trainer(rank, world, addr, strict):
+    pub = Publisher({"w": torch.zeros(8, 4, dtype=torch.bfloat16)}, addr, strict=strict)
+    deadline, out = time.time() + 60, {}
+    try:
+        while time.time() < deadline:
+            rep = pub.publish(1)
+            if rep.error:
+                out["error"] = rep.error
+                out["after"] = [vars(pub.publish(v)).copy() for v in (2, 3)]  # training goes on
+                break
+            time.sleep(0.1)
+    except unickpt.StateMismatchError as e:
+        out["raised"] = str(e)
+    pub.close()
+    return out
+
+
+def mismatch_subscriber(rank, world, addr):
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.zeros(8, 5, dtype=torch.bfloat16))
+    sub = Subscriber(m, addr, timeout_s=60)
+    try:
+        sub.receive()
+        return "received"
+    except unickpt.StateMismatchError as e:
+        return str(e)
+    finally:
+        sub.close()
+
+
+def tied_trainer(rank, world, addr, tie):
+    model = tiny_llama(0, tie=tie)
+    with Publisher(model, addr, strict=False) as pub:
+        rep = publish_when_joined(pub, 1)
+        return {"error": rep.error, "bytes": rep.bytes_sent, "sd": _digests(model),
+                "sizes": {k: v.numel() * v.element_size() for k, v in model.state_dict().items()}}
+
+
+def tied_subscriber(rank, world, addr, tie):
+    model = tiny_llama(1, tie=tie)
+    with Subscriber(model, addr, timeout_s=60) as sub:
+        try:
+            sub.update()
+        except unickpt.StateMismatchError as e:
+            return {"error": str(e)}
+        return {"error": None, "sd": _digests(model),
+                "tied": model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()}
+
+
+def _digests(model) -> dict:
+    """Per tensor, a digest of its bytes (tensors themselves do not travel back from a worker that exits)."""
+    import hashlib
+
+    return {k: hashlib.sha256(v.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for k, v in model.state_dict().items()}
+
+
+def closing_trainer(rank, world, addr):
+    state = {"w": unickpt.Shard(torch.full((4, 8), float(rank)), (8, 8), offsets=(4 * rank, 0))}
+    pub = Publisher(state, addr)
+    first = publish_when_joined(pub, 1)
+    later = [pub.publish(v) for v in (2, 3)]  # the inference job closes while these are on their way
+    pub.close()
+    return {"first": first.subscribers, "later": [(r.subscribers, r.error) for r in later]}
+
+
+def closing_subscriber(rank, world, addr):
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.zeros(8, 8))
+    sub = Subscriber(m, addr, timeout_s=60)
+    version = sub.update().version
+    sub.close()
+    return version

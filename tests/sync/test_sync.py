@@ -113,6 +113,42 @@ def test_a_trainer_rank_dying_mid_publish_leaves_the_previous_version(tmp_path):
     assert res["train"][0]["error"] is not None and "version 2" in res["train"][0]["error"]
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_an_inference_model_that_does_not_match_names_the_tensor_and_training_goes_on(strict):
+    """The inference model's 'w' is [8, 5], the trainer publishes [8, 4]: both sides get the error naming the
+    tensor and both shapes; by default the trainer's publish reports it and training goes on (later
+    publishes reach nobody, without error); with strict=True the publish raises it."""
+    addr = _addr()
+    res = run_jobs({"train": (w.mismatch_trainer, 1, (addr, strict)), "infer": (w.mismatch_subscriber, 1, (addr,))})
+    msg = "'w': the target's shape is [8, 5], the published tensors give [8, 4]"
+    assert msg in res["infer"][0]
+    out = res["train"][0]
+    if strict:
+        assert msg in out["raised"] and "inference rank 0" in out["raised"]
+    else:
+        assert msg in out["error"]
+        assert [(r["subscribers"], r["error"]) for r in out["after"]] == [(0, None), (0, None)]
+
+
+def test_tied_embeddings_publish_once_and_refuse_to_merge_two_tensors():
+    """A trainer with tied embeddings publishes the tensor once; an untied inference model gets it under
+    both names (the trainer's alias). An untied trainer cannot feed a tied inference model (two tensors
+    into one): both sides get an error naming the two names."""
+    addr = _addr()
+    res = run_jobs({"train": (w.tied_trainer, 1, (addr, True)), "infer": (w.tied_subscriber, 1, (addr, False))})
+    sd, got = res["train"][0]["sd"], res["infer"][0]
+    assert got["error"] is None and not got["tied"]
+    assert got["sd"] == sd  # bitwise, every name
+    assert got["sd"]["lm_head.weight"] == sd["model.embed_tokens.weight"]
+    sizes = res["train"][0]["sizes"]
+    once = sum(n for k, n in sizes.items() if k != "lm_head.weight")
+    assert once <= res["train"][0]["bytes"] <= once + 64 * len(sizes)  # the tied tensor travelled once
+    addr = _addr()
+    res = run_jobs({"train": (w.tied_trainer, 1, (addr, False)), "infer": (w.tied_subscriber, 1, (addr, True))})
+    msg = "'lm_head.weight' is tied to 'model.embed_tokens.weight' in the inference model, but the trainer publishes"
+    assert msg in res["infer"][0]["error"] and msg in res["train"][0]["error"]
+
+
 def test_the_example_runs_an_fsdp2_trainer_and_a_rollout_job():
     """examples/weight_sync.py: the rollout job checks each version against the trainer's full state itself."""
     import os
@@ -127,3 +163,13 @@ def test_the_example_runs_an_fsdp2_trainer_and_a_rollout_job():
         for v in (1, 2):
             assert f"[rollout {rank}] version {v}: " in out.stdout and "bitwise equal to the trainer's" in out.stdout
     assert out.stdout.rstrip().endswith("weight sync example: OK")
+
+
+def test_an_inference_job_that_closes_mid_publish_is_dropped_without_error():
+    """Two inference ranks take version 1 and close() while the trainers already publish version 2: the
+    trainers see the generation closed, not failed (no error), and publish on to nobody."""
+    addr = _addr()
+    res = run_jobs({"train": (w.closing_trainer, 2, (addr,)), "infer": (w.closing_subscriber, 2, (addr,))})
+    assert res["infer"] == [1, 1]
+    for out in res["train"]:
+        assert out["first"] == 2 and out["later"] == [(0, None), (0, None)]

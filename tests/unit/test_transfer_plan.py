@@ -101,7 +101,7 @@ def test_errors_name_the_tensor_and_the_values():
 
 def test_layout_documents_round_trip_as_json():
     entries = [_rows("a.b", (6, 2), 1, 3), SourceEntry("s", "int64", (), Box((), ()), 8)]
-    assert sources_from_json(sources_to_json(entries)) == entries
+    assert sources_from_json(sources_to_json(entries, {"tied": "a.b"})) == (entries, {"tied": "a.b"})
     needs = resolve_needs([TargetEntry("a.b", "bfloat16", (6, 2), Box((1, 0), (4, 2)))], _lookup([entries]))
     assert needs_from_json(needs_to_json(needs)) == (needs, None)
     assert needs_from_json(needs_to_json(None, "'x': bad")) == ([], "'x': bad")
@@ -126,3 +126,20 @@ def test_delta_round_trip_is_bitwise_and_small(word, dtype):
     assert wire.encode_delta(everything, prev, word) is None
     with pytest.raises(ValueError, match=r"delta payload of 3 bytes for 1 changed"):
         wire.decode_delta(payload[:3], 1, word, words.numel())
+
+
+def test_a_tied_name_is_served_by_its_tensor_and_travels_once():
+    """The trainer ties 'head' to 'emb' (published once, 'head' as an alias); an inference model with both
+    as separate tensors gets the bytes once in the message and copies them into both targets. A model that
+    ties two names the trainer publishes separately is refused, naming both."""
+    emb = SourceEntry("emb", "float32", (4, 4), Box((0, 0), (4, 4)), 4)
+    targets = [TargetEntry("emb", "float32", (4, 4), Box((0, 0), (4, 4))),
+               TargetEntry("head", "float32", (4, 4), Box((0, 0), (4, 4)))]
+    needs = resolve_needs(targets, _lookup([[emb]]), published_aliases={"head": "emb"})
+    assert [(n.target, n.source) for n in needs] == [(0, "emb"), (1, "emb")]
+    plan = plan_transfers([[emb]], [needs])
+    (pair,) = plan.pairs.values()
+    assert [(it.target, it.offset) for it in pair.items] == [(0, 0), (1, 0)] and pair.nbytes == 64
+    head = SourceEntry("head", "float32", (4, 4), Box((0, 0), (4, 4)), 4)
+    with pytest.raises(StateMismatchError, match=r"'head' is tied to 'emb' in the inference model, but the trainer publishes"):
+        resolve_needs(targets[:1], _lookup([[emb, head]]), own_aliases={"head": "emb"})
