@@ -10,8 +10,9 @@ threads move the bytes):
    (:func:`~unickpt.plan.transfer.plan_transfers`, computed alike on every rank of both jobs, no further
    message); the plan is reused for every later version of that generation;
 4. pack each receiver's message (a copy of this rank's boxes into one reused buffer per receiver:
-   after this the trainer may change its weights), checksum it, and send it, or, in delta mode, only the
-   words that changed since the version that receiver acknowledged last (:mod:`unickpt.sync.wire`);
+   after this the trainer may change its weights), checksum it, and send it; in delta mode, compare the
+   live boxes with that buffer (which holds the version the receiver acknowledged last), send only the
+   words that changed and write them into the buffer (:mod:`unickpt.sync.wire`);
 5. wait for each receiver's acknowledgement; resend a message in full when asked (checksum mismatch).
 
 No gather on one rank: each rank sends only the bytes it holds, straight to the inference ranks that
@@ -29,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..dist.comm import Comm
@@ -77,15 +79,16 @@ class PublishReport:
 
 
 class _Pair:
-    """One receiver's message buffers on this sender: ``buf`` (packed each version) and, in delta mode,
-    ``prev`` (the version the receiver acknowledged last; None until it acknowledged one)."""
+    """One receiver's message buffer on this sender, ``buf``: the version sent last. ``base``: the version
+    the receiver acknowledged last (-1: none yet), which a delta applies to. On the CUDA path a delta also
+    keeps ``prev``, the base's bytes (it packs first and compares the two buffers on the device)."""
 
     def __init__(self, plan: PairPlan, receiver: int, delta: bool, device: torch.device):
         self.plan, self.receiver = plan, receiver
         self.buf = torch.zeros(plan.nbytes, dtype=torch.uint8, device=device)
-        self.spare = torch.zeros(plan.nbytes, dtype=torch.uint8, device=device) if delta else None
+        self.spare = torch.zeros(plan.nbytes, dtype=torch.uint8, device=device) if delta and device.type == "cuda" else None
         self.prev: torch.Tensor | None = None
-        self.prev_version = -1
+        self.base = -1
 
 
 class Publisher:
@@ -214,22 +217,60 @@ class Publisher:
         report.error, report.subscribers, report.seconds = str(error), 0, time.perf_counter() - t0
         return report
 
-    def _pack(self, pair: _Pair, held: list[Held]) -> None:
+    def _items(self, pair: _Pair, held: list[Held]):
+        """``(item, its elements on this rank in the published dtype)`` of ``pair``'s message, each buffer
+        region once (two targets of one receiver may share one)."""
         packed: set[int] = set()
         for it in pair.plan.items:
-            if it.offset in packed:  # the same elements for a second target of the receiver
+            if it.offset in packed:
                 continue
             packed.add(it.offset)
-            e = self._entries[it.entry]
-            dst = pair.buf[it.offset:it.offset + it.nbytes].view(str_to_dtype(e.dtype)).view(it.at.lengths)
-            dst.copy_(local_view(held[it.entry], it.at))
+            src = local_view(held[it.entry], it.at)
+            dtype = str_to_dtype(self._entries[it.entry].dtype)
+            yield it, (src if src.dtype == dtype else src.to(dtype))
 
-    def _encode(self, pair: _Pair) -> tuple[int, torch.Tensor, int]:
-        """``(kind, payload, changed words)`` of this version's message to ``pair``'s receiver."""
-        if pair.prev is not None:
-            delta = wire.encode_delta(pair.buf, pair.prev, pair.plan.word)
-            if delta is not None:
-                return wire.DELTA, delta[0], delta[2]
+    def _pack(self, pair: _Pair, held: list[Held]) -> None:
+        for it, src in self._items(pair, held):
+            pair.buf[it.offset:it.offset + it.nbytes].view(src.dtype).view(it.at.lengths).copy_(src)
+
+    def _diff(self, pair: _Pair, held: list[Held]) -> tuple[torch.Tensor, int] | None:
+        """The delta from ``pair.buf`` (the base version) to this rank's weights, written into ``buf`` as
+        it goes, as ``(payload, changed words)``; None when it would not be under half the message (``buf``
+        is then packed whole). On the CPU the live tensors are compared with the buffer directly (no pack:
+        one pass over two versions), on CUDA packed first and compared buffer to buffer."""
+        word = pair.plan.word
+        if pair.buf.device.type != "cpu":  # pragma: no cover - CUDA
+            assert pair.spare is not None
+            pair.prev, pair.buf, pair.spare = pair.buf, pair.spare, pair.buf
+            self._pack(pair, held)
+            got = wire.encode_delta(pair.buf, pair.prev, word)
+            return None if got is None else (got[0], got[2])
+        limit = wire.max_delta_words(pair.plan.nbytes, word)
+        idxs, values = [], []
+        for it, src in self._items(pair, held):
+            found = wire.changed_words(src, pair.buf[it.offset:it.offset + it.nbytes], word, limit)
+            if found is None:
+                self._pack(pair, held)
+                return None
+            where, new = found
+            limit -= where.size
+            if where.size:
+                idxs.append(where + it.offset // word)
+                values.append(new)
+        idx = torch.from_numpy(np.concatenate(idxs)) if idxs else torch.zeros(0, dtype=torch.int64)
+        vals = torch.from_numpy(np.concatenate(values)) if values else torch.zeros(0, dtype=wire.WORD_DTYPES[word])
+        pair.buf.view(wire.WORD_DTYPES[word])[idx] = vals  # the buffer now holds this version
+        return wire.delta_payload(idx, vals, word), idx.numel()
+
+    def _message(self, pair: _Pair, held: list[Held]) -> tuple[int, torch.Tensor, int]:
+        """``(kind, payload, changed words)`` of this version's message to ``pair``'s receiver; ``buf``
+        holds the version afterwards."""
+        if self.delta and pair.base >= 0:
+            got = self._diff(pair, held)
+            if got is not None:
+                return wire.DELTA, got[0], got[1]
+        else:
+            self._pack(pair, held)
         return wire.FULL, pair.buf, 0
 
     def _post(self, payload: torch.Tensor, dst: int) -> Any:
@@ -241,17 +282,15 @@ class Publisher:
         group = self.group
         assert group is not None
         t = time.perf_counter()
-        for pair in self._pairs:
-            self._pack(pair, held)
+        messages = [self._message(pair, held) for pair in self._pairs]
         report.pack_seconds = time.perf_counter() - t
         self._seq += 1
         if self.rank == 0:
             self.gens.announce(self.generation, self._seq, version)
         works, acks = [], []
-        for pair in self._pairs:
-            kind, payload, changed = self._encode(pair)
+        for pair, (kind, payload, changed) in zip(self._pairs, messages):
             dst = self.world + pair.receiver
-            hdr = wire.header(version, kind, payload.numel(), wire.digest(payload), changed, pair.prev_version)
+            hdr = wire.header(version, kind, payload.numel(), wire.digest(payload), changed, pair.base)
             works.append(group.send_control(hdr, dst, TAG_HEADER))
             if payload.numel():
                 works.append(self._post(payload, dst))
@@ -276,11 +315,8 @@ class Publisher:
             if int(ack.item()) != wire.OK:
                 raise SyncError(f"version {version}: inference rank {pair.receiver} could not verify this rank's "
                                 "message even after a full resend")
-            if self.delta:  # the acknowledged version is the next delta's base
-                assert pair.spare is not None
-                pair.prev, pair.buf, pair.spare = pair.buf, pair.spare, pair.buf
-                pair.prev_version = version
-        report.history_bytes = sum(p.plan.nbytes for p in self._pairs if p.prev is not None)
+            pair.base = version  # the acknowledged version: the next delta's base
+        report.history_bytes = sum(p.plan.nbytes * (1 + (p.spare is not None)) for p in self._pairs) if self.delta else 0
 
     def close(self) -> None:
         """Leave the current generation (the inference ranks see the trainer gone at their next receive)."""

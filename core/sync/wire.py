@@ -26,7 +26,7 @@ import torch
 import xxhash
 
 __all__ = ["FULL", "DELTA", "OK", "RESEND", "FAILED", "HEADER_WORDS", "digest", "header", "encode_delta",
-           "decode_delta", "WORD_DTYPES"]
+           "decode_delta", "changed_words", "delta_payload", "max_delta_words", "WORD_DTYPES"]
 
 FULL, DELTA = 0, 1
 OK, RESEND, FAILED = 0, 1, 2
@@ -75,6 +75,51 @@ def encode_delta(cur: torch.Tensor, prev: torch.Tensor, word: int) -> tuple[torc
     payload[: n * _INDEX_BYTES].view(torch.int32).copy_(idx)
     payload[n * _INDEX_BYTES:].view(WORD_DTYPES[word]).copy_(values)
     return payload, idx, n
+
+
+def max_delta_words(nbytes: int, word: int) -> int:
+    """The most changed words for which a delta of a ``nbytes`` message is under half its size."""
+    return max(0, (nbytes - 1) // (2 * (_INDEX_BYTES + word)))
+
+
+def delta_payload(idx: torch.Tensor, values: torch.Tensor, word: int) -> torch.Tensor:
+    """The ``DELTA`` payload of changed word indices ``idx`` (sorted) and their ``values`` (``word``-byte words)."""
+    n = idx.numel()
+    payload = torch.empty(n * (_INDEX_BYTES + word), dtype=torch.uint8, device=idx.device)
+    payload[: n * _INDEX_BYTES].view(torch.int32).copy_(idx)
+    payload[n * _INDEX_BYTES:].view(WORD_DTYPES[word]).copy_(values)
+    return payload
+
+
+def changed_words(src: torch.Tensor, prev: torch.Tensor, word: int, limit: int) -> tuple[Any, Any] | None:
+    """The ``word``-byte words where ``src`` (a CPU tensor of any strides, row-major order, ``word`` dividing
+    its item size) differs from ``prev`` (a contiguous uint8 tensor of as many bytes, 8-byte aligned), as
+    numpy ``(indices (int64, sorted, row-major), values)``; None as soon as more than ``limit`` differ.
+
+    Compares the live tensor with the last version directly, without packing it first: for a contiguous
+    ``src`` by 8-byte blocks, then by words inside the changed blocks (the non-zero lanes of their XOR);
+    for a strided one (a column block) word by word."""
+    wd = _NP_WORDS[word]
+    if src.is_contiguous() and src.numel() * src.element_size() % 8 == 0 and src.data_ptr() % 8 == 0:
+        a64 = src.reshape(-1).view(torch.uint8).numpy().view(np.int64)
+        b64 = prev.numpy().view(np.int64)
+        blocks = np.flatnonzero(a64 != b64)
+        if blocks.size > limit:  # each changed block holds at least one changed word
+            return None
+        per = 8 // word
+        if per == 1:
+            return blocks, a64[blocks]
+        lanes = np.flatnonzero((a64[blocks] ^ b64[blocks]).view(wd))
+        idx = blocks[lanes // per] * per + lanes % per
+        return (idx, a64.view(wd)[idx]) if idx.size <= limit else None
+    if src.stride(-1) != 1 and src.dim() and src.shape[-1] > 1:
+        src = src.contiguous()
+    a = src.view(WORD_DTYPES[word]).numpy()  # strided: same strides in words (word divides the item size)
+    b = prev.numpy().view(wd).reshape(a.shape)
+    idx = np.flatnonzero(a != b)
+    if idx.size > limit:
+        return None
+    return idx, a[np.unravel_index(idx, a.shape)] if a.ndim else a.reshape(1)[idx]
 
 
 def _worth(blocks: int, word: int, nbytes: int) -> bool:

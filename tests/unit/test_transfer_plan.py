@@ -143,3 +143,26 @@ def test_a_tied_name_is_served_by_its_tensor_and_travels_once():
     head = SourceEntry("head", "float32", (4, 4), Box((0, 0), (4, 4)), 4)
     with pytest.raises(StateMismatchError, match=r"'head' is tied to 'emb' in the inference model, but the trainer publishes"):
         resolve_needs(targets[:1], _lookup([[emb, head]]), own_aliases={"head": "emb"})
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "column-block", "fp32-in-bf16-words"])
+def test_changed_words_compares_live_tensors_with_the_last_version(layout):
+    """The delta's compare without packing: a live tensor (contiguous, or a strided column block) against
+    the buffer holding its last version; the indices are row-major words, the values the new words, and
+    nothing is returned once more than ``limit`` words differ."""
+    g = torch.Generator().manual_seed(1)
+    full = torch.randn(64, 48, generator=g)
+    src = {"contiguous": full.bfloat16(), "column-block": full.bfloat16()[:, 8:24],
+           "fp32-in-bf16-words": full[:, 8:24]}[layout]
+    prev = src.contiguous().view(-1).view(torch.uint8).clone()
+    flat = src.view(torch.int16)  # the words (an fp32 tensor: two per value)
+    rows = torch.randperm(src.shape[0], generator=g)[:5]
+    before = flat.clone()
+    flat[rows, 3] ^= 1  # five words change
+    got = wire.changed_words(src, prev, 2, limit=100)
+    assert got is not None
+    idx, values = got
+    expect = (before != flat).contiguous().view(-1).nonzero().flatten()
+    assert idx.tolist() == expect.tolist() and len(idx) == 5
+    assert values.tolist() == flat.contiguous().view(-1)[expect].tolist()
+    assert wire.changed_words(src, prev, 2, limit=4) is None
