@@ -221,6 +221,7 @@ def main() -> None:
                 "bytes_per_version": [sum(r["sync"][i]["bytes"] for r in tr) for i in range(1, ROUNDS + 1)],
                 "full_bytes": sum(r["sync"][1]["full_bytes"] for r in tr),
                 "pack_s": max(r["sync"][-1]["pack_seconds"] for r in tr),
+                "pack_s_per_version": [max(r["sync"][i]["pack_seconds"] for r in tr) for i in range(ROUNDS + 1)],
                 "history_bytes_per_trainer_rank": [r["sync"][-1]["history_bytes"] for r in tr],
                 "baseline_rounds_s": base, "baseline_median_s": statistics.median(base),
                 "baseline_bytes_per_version": sum(r["baseline"][0]["bytes"] for r in tr),

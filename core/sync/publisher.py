@@ -245,10 +245,11 @@ class Publisher:
             self._pack(pair, held)
             got = wire.encode_delta(pair.buf, pair.prev, word)
             return None if got is None else (got[0], got[2])
-        limit = wire.max_delta_words(pair.plan.nbytes, word)
+        limit = total = wire.max_delta_words(pair.plan.nbytes, word)
         idxs, values = [], []
         for it, src in self._items(pair, held):
-            found = wire.changed_words(src, pair.buf[it.offset:it.offset + it.nbytes], word, limit)
+            found = wire.changed_words(src, pair.buf[it.offset:it.offset + it.nbytes], word, limit,
+                                       share=total * it.nbytes / pair.plan.nbytes)
             if found is None:
                 self._pack(pair, held)
                 return None

@@ -143,6 +143,11 @@ def main() -> None:
                        "step_s": {str(k): v for k, v in sorted(step_s.items())}, "enabled": bool(a.unickpt),
                        "params": sum(p.numel() for p in trainer.model.parameters()), "best": best,
                        "train_s": time.perf_counter() - t_start}, f)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # torn down here, not at interpreter exit: under DeepSpeed on the CPU a group
+        dist.barrier()  # left to the exit hooks aborted one process ("terminate called without an active
+        dist.destroy_process_group()  # exception") in a CI run of Trainer's own DeepSpeed save
 
 
 if __name__ == "__main__":
