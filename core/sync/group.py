@@ -16,6 +16,11 @@ Both jobs then create the pair group of generation ``g`` over the store (prefix 
 training ranks ``0..T-1``, inference ranks ``T..T+S-1``. That is how a subscriber that joins late gets
 its first version, which is always full (the sender's delta history belongs to the previous generation).
 
+A trainer that leaves a generation (a failed version, ``close()``, a layout change) marks it abandoned, and
+so does a new trainer that finds the newest generation claimed by another (a restarted job: one trainer
+per rendezvous address); the inference job, polling the store for the next version, sees the mark and
+joins again. Each side records where its tensors are; the weights go over NCCL only when both are on CUDA.
+
 **The pair group** is a gloo group for control messages (the layout exchange: two all-gathers; headers
 and acknowledgements: one message each per pair and version) and, for the weights, the same gloo group
 on the CPU or an NCCL group when the tensors are on CUDA. Neither is the training job's default group:
@@ -24,6 +29,7 @@ a sync never runs a collective on the training group.
 from __future__ import annotations
 
 import secrets
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -75,22 +81,39 @@ class Generations:
     def __init__(self, store: Any):
         self.store = store
 
-    def register(self, size: int) -> int:
-        """A new generation for an inference job of ``size`` ranks (its rank 0 calls this)."""
+    def register(self, size: int, device: str) -> int:
+        """A new generation for an inference job of ``size`` ranks whose tensors are on ``device`` ("cpu" /
+        "cuda"); its rank 0 calls this."""
         g = int(self.store.add(f"{KEY}/gen", 1))
+        self.store.set(f"{KEY}/g{g}/subscriber_device", device)
         self.store.set(f"{KEY}/g{g}/subscribers", str(size))
         return g
 
     def newest(self) -> int:
         return int(self.store.add(f"{KEY}/gen", 0))
 
-    def claim(self, g: int, publishers: int) -> bool:
-        """True if this caller forms generation ``g`` (no other trainer has), recording its size."""
+    def claim(self, g: int, publishers: int, device: str) -> bool:
+        """True if this caller forms generation ``g`` (no other trainer has), recording its size and device."""
         token = secrets.token_hex(8)
         won = self.store.compare_set(f"{KEY}/g{g}/claimed", "", token) == token.encode()
         if won:
+            self.store.set(f"{KEY}/g{g}/publisher_device", device)
             self.store.set(f"{KEY}/g{g}/publishers", str(publishers))
         return won
+
+    def data_device(self, g: int) -> str:
+        """Where generation ``g``'s weights travel: "cuda" (NCCL) when both jobs hold them on CUDA, else
+        "cpu" (gloo; a CUDA side stages through host buffers). Both records exist once ``g`` is claimed."""
+        both = {self.store.get(f"{KEY}/g{g}/{side}_device").decode() for side in ("publisher", "subscriber")}
+        return "cuda" if both == {"cuda"} else "cpu"
+
+    def abandon(self, g: int) -> None:
+        """The trainer's mark: it left generation ``g`` (a failed version, a layout change, ``close()``, or a
+        newer trainer took over); its inference job joins again instead of waiting for versions."""
+        self.store.set(f"{KEY}/g{g}/abandoned", "1")
+
+    def abandoned(self, g: int) -> bool:
+        return bool(self.store.check([f"{KEY}/g{g}/abandoned"]))
 
     def subscribers(self, g: int, timeout_s: float) -> int:
         self.store.wait([f"{KEY}/g{g}/subscribers"], timedelta(seconds=timeout_s))
@@ -108,15 +131,21 @@ class Generations:
         """The trainer's rank 0: the ``seq``-th version of generation ``g`` (``version``) is on its way."""
         self.store.set(f"{KEY}/g{g}/seq{seq}", str(version))
 
-    def announced(self, g: int, seq: int, timeout_s: float) -> int:
-        """The version announced as the ``seq``-th of generation ``g``; TimeoutError when none is within
-        ``timeout_s`` (a wait on the store, so the pair group stays usable: a gloo receive that times out
-        closes its connection)."""
-        try:
-            self.store.wait([f"{KEY}/g{g}/seq{seq}"], timedelta(seconds=timeout_s))
-        except RuntimeError as e:  # DistStoreError
-            raise TimeoutError(f"no weight version published within {timeout_s:g} s") from e
-        return int(self.store.get(f"{KEY}/g{g}/seq{seq}"))
+    def announced(self, g: int, seq: int, timeout_s: float) -> int | None:
+        """The version announced as the ``seq``-th of generation ``g``, or None when the trainer abandoned
+        ``g``; TimeoutError when neither happens within ``timeout_s``. The store is polled (every 10-50 ms),
+        not the pair group: a gloo receive that times out closes its connection."""
+        key, gone = f"{KEY}/g{g}/seq{seq}", f"{KEY}/g{g}/abandoned"
+        deadline, pause = time.monotonic() + timeout_s, 0.01
+        while True:
+            if self.store.check([key]):
+                return int(self.store.get(key))
+            if self.store.check([gone]):
+                return None
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no weight version published within {timeout_s:g} s")
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.05)
 
     def close(self, g: int) -> None:
         """Mark generation ``g`` ended by its inference job (the trainer drops it at its next publish)."""

@@ -126,16 +126,20 @@ class Publisher:
         self._seq = 0  # versions sent in this generation
 
     # -- the generation ---------------------------------------------------------------------------------
-    def _decide(self) -> int:
+    def _decide(self, device: str) -> int:
         """The generation to serve (0: none), agreed by the training ranks: rank 0's choice (a newer
         generation it claimed, none when the inference job closed the current one), and none when any
-        rank lost the current one in a failed version."""
+        rank lost the current one. A fresh trainer that finds the newest generation claimed by another
+        marks it abandoned (the other is a predecessor that died: one trainer per address)."""
         choice = 0
         if self.rank == 0:
             choice = self.generation
             newest = self.gens.newest()
-            if newest > self.generation and self.gens.claim(newest, self.world):
-                choice = newest
+            if newest > self.generation:
+                if self.gens.claim(newest, self.world, device):
+                    choice = newest
+                elif self.generation == 0 and not self.gens.abandoned(newest):
+                    self.gens.abandon(newest)
             elif self.generation and self.gens.closed(self.generation):
                 choice = 0
         lost = int(bool(self.generation) and self.group is None)
@@ -144,6 +148,8 @@ class Publisher:
 
     def _join(self, g: int, entries: list[SourceEntry], aliases: dict[str, str], device: torch.device) -> None:
         subs = self.gens.subscribers(g, self.timeout_s)
+        if self.gens.data_device(g) != "cuda":
+            device = torch.device("cpu")
         group = PairGroup(self.store, g, self.rank, self.world + subs, device, self.timeout_s)
         self.group, self.generation, self.subscribers, self._seq = group, g, subs, 0
         docs = group.allgather_bytes(sources_to_json(entries, aliases))
@@ -161,55 +167,73 @@ class Publisher:
             self.group.close()
         self.group, self._pairs, self.subscribers = None, [], 0
 
+    def _leave(self) -> None:
+        """Drop the current generation and mark it abandoned, so that its inference job joins again."""
+        if self.generation and self.rank == 0:
+            try:
+                self.gens.abandon(self.generation)
+            except RuntimeError:  # the store is gone: nobody is waiting on it
+                pass
+        self._drop()
+
     # -- one version --------------------------------------------------------------------------------------
     def publish(self, version: int) -> PublishReport:
         """Send the current weights as ``version`` (an int that grows) to the inference job, if one has
         joined; returns when every receiver acknowledged it. Collective over the training ranks.
 
-        The inference side's failures (every training rank drops the generation; a new one joins at a
-        later publish): with ``strict``, SyncError when an inference rank fails or leaves mid-version and
-        StateMismatchError when its tensors do not match what is published (named); without, the same
-        messages in :attr:`PublishReport.error` and a warning. Always raised: SyncError when this rank's
-        layout changed under the plan."""
+        Failures, agreed by the training ranks (all drop the generation; a new one joins at a later
+        publish): an inference rank that fails or leaves mid-version, inference tensors that do not match
+        what is published (StateMismatchError, named), this rank's layout changed under the plan. With
+        ``strict`` every rank raises (SyncError, or StateMismatchError); without, every rank logs a warning
+        and returns the message in :attr:`PublishReport.error`.
+        """
         t0 = time.perf_counter()
         entries, held, aliases = published(state_of(self.state), self.dtype)
         device = held[0].tensor.device if held else torch.device("cpu")
         report = PublishReport(version)
-        g = self._decide()
+        g = self._decide("cuda" if device.type == "cuda" else "cpu")
         if g != self.generation:
-            self._drop()
+            self._leave()
             self.generation = g
-            if g:
-                try:
-                    self._join(g, entries, aliases, device if device.type == "cuda" else torch.device("cpu"))
-                except (StateMismatchError, RuntimeError) as e:
-                    self._drop()
-                    return self._failed(report, e, t0)
-                report.plan_seconds = time.perf_counter() - t0
-        if self.group is None:
+        if not g:
             report.seconds = time.perf_counter() - t0
             return report
-        if entries != self._entries:
-            changed = sorted({e.name for e in set(entries) ^ set(self._entries)})[:5]
-            self._drop()
-            raise SyncError(f"this rank's published layout changed since generation {self.generation} was planned "
-                            f"(first tensors that differ: {changed}); keep the layout fixed or make a new Publisher")
-        report.generation, report.subscribers = self.generation, self.subscribers
+        error: BaseException | None = None
         try:
+            if self.group is None:
+                self._join(g, entries, aliases, device)
+                report.plan_seconds = time.perf_counter() - t0
+            if entries != self._entries:
+                changed = sorted({e.name for e in set(entries) ^ set(self._entries)})[:5]
+                raise SyncError(f"training rank {self.rank}'s published layout changed since generation {g} was "
+                                f"planned (first tensors that differ: {changed}); keep it fixed or make a new Publisher")
+            report.generation, report.subscribers = g, self.subscribers
             self._send(version, held, report)
-        except (RuntimeError, ValueError) as e:
-            g = self.generation
-            self._drop()
-            if g and self.gens.closed(g):  # the inference job closed while this version was on its way
+        except Exception as e:  # noqa: BLE001 - agreed below, then raised or reported
+            error = e
+        # every training rank learns whether any failed (one all-reduce of one int64): all drop the generation
+        # together, and with strict all raise, so the ranks never diverge
+        try:
+            failed = max_ints(self.comm, [int(error is not None)])[0]
+        except RuntimeError as e:  # a training rank is gone: the training job's own group is broken
+            self._leave()
+            raise SyncError(f"version {version}: a training rank is gone ({e}); not delivered") from (error or e)
+        if failed:
+            closed = self.gens.closed(g)
+            self._leave()
+            if closed and not isinstance(error, (StateMismatchError, SyncError)):
                 report.subscribers, report.seconds = 0, time.perf_counter() - t0
-                return report
-            if not isinstance(e, SyncError):
-                e = SyncError(f"version {version} not delivered to the inference ranks of generation {g}: {e}")
-            return self._failed(report, e, t0)
+                return report  # the inference job closed while this version was on its way
+            if error is None:
+                error = SyncError(f"version {version} not delivered: another training rank's transfer failed")
+            elif not isinstance(error, (StateMismatchError, SyncError)):
+                error = SyncError(f"version {version} not delivered to the inference ranks of generation {g}: "
+                                  f"{type(error).__name__}: {error}")
+            return self._failed(report, error, t0)
         report.seconds = time.perf_counter() - t0
         return report
 
-    def _failed(self, report: PublishReport, error: Exception, t0: float) -> PublishReport:
+    def _failed(self, report: PublishReport, error: BaseException, t0: float) -> PublishReport:
         """A failure on the inference side: raised with ``strict``, else logged and reported."""
         if self.strict:
             raise error
@@ -245,11 +269,15 @@ class Publisher:
             self._pack(pair, held)
             got = wire.encode_delta(pair.buf, pair.prev, word)
             return None if got is None else (got[0], got[2])
-        limit = total = wire.max_delta_words(pair.plan.nbytes, word)
+        limit = wire.max_delta_words(pair.plan.nbytes, word)
+        items = list(self._items(pair, held))
+        guess = sum(wire.sampled_changes(src, pair.buf[it.offset:it.offset + it.nbytes], word) for it, src in items)
+        if guess > 2 * limit:  # most values changed: send it whole, at the cost of a pack
+            self._pack(pair, held)
+            return None
         idxs, values = [], []
-        for it, src in self._items(pair, held):
-            found = wire.changed_words(src, pair.buf[it.offset:it.offset + it.nbytes], word, limit,
-                                       share=total * it.nbytes / pair.plan.nbytes)
+        for it, src in items:
+            found = wire.changed_words(src, pair.buf[it.offset:it.offset + it.nbytes], word, limit)
             if found is None:
                 self._pack(pair, held)
                 return None
@@ -303,6 +331,7 @@ class Publisher:
             report.full_pairs += kind == wire.FULL
         for w in works:
             w.wait(group.timeout)
+        failed: list[int] = []
         for pair, ack, work in acks:
             work.wait(group.timeout)
             dst = self.world + pair.receiver
@@ -311,17 +340,21 @@ class Publisher:
                 report.bytes_sent += pair.plan.nbytes
                 group.send_control(wire.header(version, wire.FULL, pair.plan.nbytes, wire.digest(pair.buf), 0), dst,
                                    TAG_HEADER).wait(group.timeout)
-                group.send_data(pair.buf, dst, TAG_PAYLOAD).wait(group.timeout)
+                self._post(pair.buf, dst).wait(group.timeout)
                 group.recv_control(ack, dst, TAG_ACK).wait(group.timeout)
-            if int(ack.item()) != wire.OK:
-                raise SyncError(f"version {version}: inference rank {pair.receiver} could not verify this rank's "
-                                "message even after a full resend")
+            if int(ack.item()) != wire.OK:  # answered every receiver first: none is left waiting for a resend
+                failed.append(pair.receiver)
+                continue
             pair.base = version  # the acknowledged version: the next delta's base
+        if failed:
+            raise SyncError(f"version {version}: inference rank(s) {failed} could not verify this rank's message "
+                            "even after a full resend")
         report.history_bytes = sum(p.plan.nbytes * (1 + (p.spare is not None)) for p in self._pairs) if self.delta else 0
 
     def close(self) -> None:
-        """Leave the current generation (the inference ranks see the trainer gone at their next receive)."""
-        self._drop()
+        """Leave the current generation: it is marked abandoned, so the inference ranks waiting for a
+        version join again (and wait for a trainer) instead of waiting for this one."""
+        self._leave()
         self.comm.close()
 
     def __enter__(self) -> "Publisher":

@@ -7,9 +7,10 @@ Who does what, on every inference rank, in the caller's thread:
   group; the pair group; two all-gathers to exchange layouts; the plan, computed alike on every rank
   of both jobs), then wait on the store for the next version's announcement and receive one message
   from each training rank that holds bytes this rank needs, into that sender's *staging buffer* (the
-  second buffer: the model is not touched). A delta is applied to the staging buffer; each rebuilt
-  buffer's checksum is compared with the sender's (a mismatch asks for a full resend, a second one
-  fails the version). A complete, verified version is then *staged*.
+  second buffer: the model is not touched). A delta is applied to the staging buffer; each message's
+  checksum is compared with the sender's (a mismatch asks for a full resend, a second one fails the
+  version). The inference ranks then agree (one all-reduce of one int64 on the job's private gloo group):
+  the version is *staged* on all of them, or on none, and all join again.
 - :meth:`Subscriber.apply`: copy the staged version from the staging buffers into the model (or hand it
   to a ``load_weights`` callable), holding :attr:`Subscriber.lock`. Run inference under the same lock
   (or only between applies, in one thread) and it never sees a mix of two versions.
@@ -33,7 +34,7 @@ from ..errors import StateMismatchError, SyncError
 from ..plan.mapping import Mapping
 from ..plan.transfer import PairPlan, needs_from_json, needs_to_json, plan_transfers, resolve_needs, sources_from_json
 from . import wire
-from .group import Generations, PairGroup, broadcast_int, open_store
+from .group import Generations, PairGroup, broadcast_int, max_ints, open_store
 from .publisher import TAG_ACK, TAG_HEADER, TAG_PAYLOAD
 from .tensors import Held, local_view, targets
 
@@ -66,8 +67,9 @@ class _Stage:
         self.plan, self.sender = plan, sender
         self.buf = torch.zeros(plan.nbytes, dtype=torch.uint8, device=device)
         self.version = -1  # the verified version the buffer holds (-1: none): the only base a delta may have
-        self.delta: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (base, word indices, values) of
-        # the last version, when it came as a delta: apply() writes just those words into a model at ``base``
+        self.delta: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (base seq, word indices, values)
+        # of the last version, when it came as a delta: apply() writes just those words into a model that
+        # holds the base (the version received before it in this generation)
 
 
 class Subscriber:
@@ -108,15 +110,23 @@ class Subscriber:
         self.publishers = 0
         self._stages: list[_Stage] = []
         self._held: list[Held] = []
-        self._seq = 0
+        self._seq = 0  # versions received whole in this generation
+        self._pending: int | None = None  # a generation registered whose trainer has not joined yet
+        self._staged_at: tuple[int, int] | None = None  # (generation, seq) of the staged version
+        self._applied_at: tuple[int, int] | None = None  # (generation, seq) of the version the model holds
 
     # -- joining ---------------------------------------------------------------------------------------------
     def _join(self, timeout_s: float) -> None:
-        g = broadcast_int(self.comm, self.gens.register(self.world) if self.rank == 0 else 0)
-        pubs = self.gens.publishers(g, timeout_s)
         entries, held, own_aliases = targets(self.target)
-        device = held[0].tensor.device if held and held[0].tensor.device.type == "cuda" else torch.device("cpu")
+        on_cuda = bool(held) and held[0].tensor.device.type == "cuda"
+        if self._pending is None:  # registered once; a join that times out waits for the same one next time
+            g = self.gens.register(self.world, "cuda" if on_cuda else "cpu") if self.rank == 0 else 0
+            self._pending = broadcast_int(self.comm, g)
+        g = self._pending
+        pubs = self.gens.publishers(g, timeout_s)
+        device = held[0].tensor.device if on_cuda and self.gens.data_device(g) == "cuda" else torch.device("cpu")
         group = PairGroup(self.store, g, pubs + self.rank, pubs + self.world, device, self.timeout_s)
+        self._pending = None
         self.group, self.generation, self.publishers, self._seq = group, g, pubs, 0
         docs = [sources_from_json(d) for d in group.allgather_bytes(b"")[:pubs]]
         sources = [entries_ for entries_, _ in docs]
@@ -137,7 +147,7 @@ class Subscriber:
     def _drop(self) -> None:
         if self.group is not None:
             self.group.close()
-        self.group, self._stages, self.staged = None, [], None
+        self.group, self._stages, self.staged, self._staged_at = None, [], None, None
 
     # -- receiving -------------------------------------------------------------------------------------------
     def receive(self, timeout_s: float | None = None) -> ReceiveReport:
@@ -161,19 +171,29 @@ class Subscriber:
                 raise
             plan_s = time.perf_counter() - t0
         version = self.gens.announced(self.generation, self._seq + 1, timeout_s)
-        report = ReceiveReport(version, self.generation, plan_seconds=plan_s)
-        try:
-            self._receive(version, report)
-        except (RuntimeError, ValueError) as e:
+        if version is None:
             g = self.generation
             self._drop()
-            if isinstance(e, SyncError):
-                raise
+            raise SyncError(f"the trainer left weight-sync generation {g} (it closed, restarted or lost a version); "
+                            "the next receive joins again and gets a full version")
+        report = ReceiveReport(version, self.generation, plan_seconds=plan_s)
+        error: BaseException | None = None
+        try:
+            self._receive(version, report)
+        except Exception as e:  # noqa: BLE001 - agreed below, then raised
+            error = e
+        # every inference rank learns whether any failed (one all-reduce of one int64 on the job's private
+        # gloo group): all stage this version, or none does and all join again
+        if max_ints(self.comm, [int(error is not None)])[0]:
+            g = self.generation
+            self._drop()
             kept = "no version yet" if self.version is None else f"version {self.version}"
-            raise SyncError(f"version {version} of generation {g} was not received whole ({e}); the model "
-                            f"keeps {kept}, and the next receive joins again") from e
+            why = ("another inference rank did not get it whole" if error is None else
+                   str(error) if isinstance(error, SyncError) else f"{type(error).__name__}: {error}")
+            raise SyncError(f"version {version} of generation {g} was not received whole ({why}); the model "
+                            f"keeps {kept}, and the next receive joins again") from error
         self._seq += 1
-        self.staged = version
+        self.staged, self._staged_at = version, (self.generation, self._seq)
         report.seconds = time.perf_counter() - t0
         return report
 
@@ -192,8 +212,7 @@ class Subscriber:
             return None
         return torch.empty(nbytes, dtype=torch.uint8, device=stage.buf.device)
 
-    @staticmethod
-    def _verify(stage: _Stage, hdr: torch.Tensor, payload: torch.Tensor | None) -> bool:
+    def _verify(self, stage: _Stage, hdr: torch.Tensor, payload: torch.Tensor | None) -> bool:
         """Check a message and, for a delta onto this stage's version, apply it to the staging buffer."""
         if payload is None:
             return wire.digest(stage.buf) == int(hdr[3])
@@ -202,7 +221,7 @@ class Subscriber:
             return False  # a delta onto another version, or corrupted: ask for the whole buffer
         idx, values = wire.decode_delta(payload, changed, stage.plan.word, stage.plan.nbytes // stage.plan.word)
         stage.buf.view(wire.WORD_DTYPES[stage.plan.word])[idx] = values
-        stage.delta = (base, idx, values)
+        stage.delta = (self._seq, idx, values)  # onto the version received before this one
         return True
 
     def _receive(self, version: int, report: ReceiveReport) -> None:
@@ -234,6 +253,7 @@ class Subscriber:
             report.verified += ok
             status = torch.tensor([wire.OK if ok else wire.RESEND], dtype=torch.int64)
             acks.append((st, h, ok, status, group.send_control(status, st.sender, TAG_ACK)))
+        failed: list[int] = []
         for st, h, ok, status, w in acks:
             w.wait(group.timeout)
             if ok:
@@ -248,18 +268,21 @@ class Subscriber:
             ok = wire.digest(st.buf) == int(again[3])
             group.send_control(torch.tensor([wire.OK if ok else wire.FAILED], dtype=torch.int64), st.sender,
                                TAG_ACK).wait(group.timeout)
-            if not ok:
-                raise SyncError(f"version {version}: the message from trainer rank {st.sender} failed its "
-                                "checksum twice (full resend included)")
+            if not ok:  # every sender's resend is taken first, so that none is left blocked on this rank
+                failed.append(st.sender)
+                continue
             report.verified += 1
             st.version = version
+        if failed:
+            raise SyncError(f"version {version}: the messages from trainer rank(s) {failed} failed their checksum "
+                            "twice (full resend included)")
 
     # -- applying --------------------------------------------------------------------------------------------
     def _apply_stage(self, st: _Stage) -> None:
         """Copy one staging buffer's items into their targets: only the changed words when the buffer's
         last version came as a delta onto the version the model holds and the target is contiguous,
         else the whole item."""
-        fast = st.delta is not None and st.delta[0] == self.version
+        fast = st.delta is not None and self._applied_at == (self.generation, st.delta[0])
         word = st.plan.word
         for it in st.plan.items:
             h = self._held[it.target]
@@ -268,7 +291,7 @@ class Subscriber:
                 assert st.delta is not None
                 _, idx, values = st.delta
                 lo, hi = it.offset // word, (it.offset + it.nbytes) // word
-                a, b = (int(x) for x in torch.searchsorted(idx, torch.tensor([lo, hi])))
+                a, b = (int(x) for x in torch.searchsorted(idx, torch.tensor([lo, hi], device=idx.device)))
                 if a < b:
                     dst.reshape(-1).view(wire.WORD_DTYPES[word])[idx[a:b] - lo] = values[a:b]
                 continue
@@ -285,7 +308,7 @@ class Subscriber:
                     self._apply_stage(st)
                 if self.load_weights is not None:
                     self.load_weights((h.name, h.tensor) for h in self._held)
-            self.version = self.staged
+            self.version, self._applied_at = self.staged, self._staged_at
         return self.version
 
     def update(self, timeout_s: float | None = None) -> ReceiveReport:
@@ -298,7 +321,7 @@ class Subscriber:
         """Leave: the trainer drops this generation at its next publish (or, if a version is on its way,
         when its transfer breaks off: it sees the generation closed, not failed). Collective over the
         inference ranks: rank 0 marks the generation closed before any rank drops its connections."""
-        if self.group is not None and self.rank == 0:
+        if self.generation and self.rank == 0:
             self.gens.close(self.generation)
         if self.comm.world_size > 1:
             dist.barrier(group=self.comm.plan_group)

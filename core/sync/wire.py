@@ -26,7 +26,7 @@ import torch
 import xxhash
 
 __all__ = ["FULL", "DELTA", "OK", "RESEND", "FAILED", "HEADER_WORDS", "digest", "header", "encode_delta",
-           "decode_delta", "changed_words", "delta_payload", "max_delta_words", "WORD_DTYPES"]
+           "decode_delta", "changed_words", "sampled_changes", "delta_payload", "max_delta_words", "WORD_DTYPES"]
 
 FULL, DELTA = 0, 1
 OK, RESEND, FAILED = 0, 1, 2
@@ -34,7 +34,7 @@ HEADER_WORDS = 6
 WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _INDEX_BYTES = 4
 _NP_WORDS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-_SAMPLE = 64  # changed_words' early look: every 64th block (or row)
+_SAMPLE = 64  # sampled_changes: every 64th row
 
 
 def digest(buf: torch.Tensor) -> int:
@@ -92,25 +92,19 @@ def delta_payload(idx: torch.Tensor, values: torch.Tensor, word: int) -> torch.T
     return payload
 
 
-def changed_words(src: torch.Tensor, prev: torch.Tensor, word: int, limit: int,
-                  share: float | None = None) -> tuple[Any, Any] | None:
-    """The ``word``-byte words where ``src`` (a CPU tensor of any strides, row-major order, ``word`` dividing
-    its item size) differs from ``prev`` (a contiguous uint8 tensor of as many bytes, 8-byte aligned), as
-    numpy ``(indices (int64, sorted, row-major), values)``; None as soon as more than ``limit`` differ.
+def changed_words(src: torch.Tensor, prev: torch.Tensor, word: int, limit: int) -> tuple[Any, Any] | None:
+    """The ``word``-byte words where ``src`` (a CPU tensor of any shape and strides, read row-major, ``word``
+    dividing its item size) differs from ``prev`` (a contiguous uint8 tensor of as many bytes, 8-byte
+    aligned), as numpy ``(indices (int64, sorted, row-major), values)``; None as soon as more than
+    ``limit`` differ.
 
     Compares the live tensor with the last version directly, without packing it first: for a contiguous
     ``src`` by 8-byte blocks, then by words inside the changed blocks (the non-zero lanes of their XOR);
-    for a strided one (a column block) word by word. A large tensor is first sampled (every 64th block or
-    row): when the words changed in the sample, scaled up, exceed twice ``share`` (this tensor's share of
-    the message's ``limit``; default ``limit``), as after an optimizer step that moved most values, it
-    gives up at 1/64 of the cost."""
+    otherwise (a column block) word by word."""
     wd = _NP_WORDS[word]
     if src.is_contiguous() and src.numel() * src.element_size() % 8 == 0 and src.data_ptr() % 8 == 0:
         a64 = src.reshape(-1).view(torch.uint8).numpy().view(np.int64)
         b64 = prev.numpy().view(np.int64)
-        early = 2 * (limit if share is None else min(share, limit))
-        if a64.size >= 64 * _SAMPLE and np.count_nonzero((a64[::_SAMPLE] ^ b64[::_SAMPLE]).view(wd)) * _SAMPLE > early:
-            return None  # a 1/64 sample already says far too many changed (most values updated): no full pass
         mask = a64 != b64
         if np.count_nonzero(mask) > limit:  # each changed block holds at least one changed word
             return None
@@ -124,18 +118,30 @@ def changed_words(src: torch.Tensor, prev: torch.Tensor, word: int, limit: int,
         lanes = np.flatnonzero(x)
         idx = blocks[lanes // per] * per + lanes % per
         return idx, a64.view(wd)[idx]
-    if src.stride(-1) != 1 and src.dim() and src.shape[-1] > 1:
-        src = src.contiguous()
-    a = src.view(WORD_DTYPES[word]).numpy()  # strided: same strides in words (word divides the item size)
+    if src.dim() == 0 or src.stride(-1) != 1:  # a word view needs a unit stride in the last dim
+        src = src.contiguous().reshape(-1) if src.dim() == 0 else src.contiguous()
+    a = src.view(WORD_DTYPES[word]).numpy()  # same strides in words (word divides the item size)
     b = prev.numpy().view(wd).reshape(a.shape)
-    early = 2 * (limit if share is None else min(share, limit))
-    if a.ndim and a.shape[0] >= 2 * _SAMPLE and np.count_nonzero(a[::_SAMPLE] != b[::_SAMPLE]) * _SAMPLE > early:
-        return None
     mask = a != b
     if np.count_nonzero(mask) > limit:
         return None
     idx = np.flatnonzero(mask)
-    return idx, a[np.unravel_index(idx, a.shape)] if a.ndim else a.reshape(1)[idx]
+    return idx, a[np.unravel_index(idx, a.shape)]
+
+
+def sampled_changes(src: torch.Tensor, prev: torch.Tensor, word: int) -> int:
+    """An estimate of the words where ``src`` differs from ``prev`` (as in :func:`changed_words`) from every
+    64th row (every 64th element of a 1-d tensor; small tensors count 0): a cheap first look, 1/64 of a
+    compare, so that a version in which most values changed (an optimizer step in fp32) is sent whole at
+    the cost of a pack, without a full compare first."""
+    if src.dim() == 0 or src.shape[0] < 2 * _SAMPLE:
+        return 0
+    wd = WORD_DTYPES[word]
+    rows = src[::_SAMPLE]
+    if rows.dim() == 0 or rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    base = prev.view(src.dtype).view(src.shape)[::_SAMPLE]
+    return int((rows.view(wd) != base.view(wd)).sum()) * _SAMPLE
 
 
 def _worth(blocks: int, word: int, nbytes: int) -> bool:

@@ -358,7 +358,10 @@ def dying_trainer(rank, world, addr):
     publish_when_joined(pub, 1)
     state.clear()
     state.update(_plain_state(2, rank, world))
-    error = pub.publish(2).error  # not raised (strict=False): training would go on
+    try:  # the training ranks' agreement finds rank 1 gone: raised (the training job itself is broken)
+        error = pub.publish(2).error
+    except unickpt.SyncError as e:
+        error = str(e)
     while pub.store.add("test/subscriber_done", 0) == 0:  # rank 0 hosts the rendezvous store: stay up
         time.sleep(0.05)
     return {"error": error}
@@ -466,3 +469,66 @@ def closing_subscriber(rank, world, addr):
     version = sub.update().version
     sub.close()
     return version
+
+
+class RejectedPublisher(Publisher):
+    """Corrupts, on every attempt, the messages of version ``bad`` to inference rank ``victim``: that rank's
+    checksum fails twice (full resend included)."""
+
+    bad, victim = -1, -1
+
+    def _post(self, payload, dst):
+        if self._seq_version == self.bad and dst == self.world + self.victim:
+            payload = payload.clone()
+            payload[0] ^= 0xFF
+        return super()._post(payload, dst)
+
+    def publish(self, version):
+        self._seq_version = version
+        return super().publish(version)
+
+
+def rejected_trainer(rank, world, addr):
+    state = {}
+    pub = RejectedPublisher(lambda: state, addr)
+    pub.bad, pub.victim = 2, 1
+    reports = {}
+    for v in (1, 2, 3):
+        state.clear()
+        state.update(_plain_state(v, rank, world))
+        reports[v] = vars(publish_when_joined(pub, v) if v != 2 else pub.publish(v)).copy()
+    while pub.store.add("test/rejected_checked", 0) < 2:  # both inference ranks checked version 3
+        time.sleep(0.05)
+    store = pub.store
+    pub.close()  # marks the generation abandoned: the inference ranks must not wait for version 4
+    while rank == 0 and store.add("test/rejected_done", 0) < 2:  # rank 0 hosts the store: stay up
+        time.sleep(0.05)
+    return reports
+
+
+def rejected_subscriber(rank, world, addr):
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.zeros(64, 32, dtype=torch.bfloat16))
+    m.b = torch.nn.Parameter(torch.zeros(32, dtype=torch.bfloat16))
+    sub = Subscriber(m, addr, timeout_s=60)
+    out = {"first": sub.update().version}
+    try:
+        sub.receive()
+        out["second"] = "received"
+    except unickpt.SyncError as e:
+        out["second"] = str(e)
+    ref = _plain_full(1)
+    out["kept_1"] = torch.equal(m.w, ref["w"]) and torch.equal(m.b, ref["b"])
+    rep = sub.update()  # joins again: a full version
+    ref = _plain_full(3)
+    out["third"] = (rep.version, rep.full_pairs, rep.delta_pairs, torch.equal(m.w, ref["w"]) and torch.equal(m.b, ref["b"]))
+    sub.store.add("test/rejected_checked", 1)
+    t = time.perf_counter()
+    try:
+        sub.receive(timeout_s=50)
+        out["after_close"] = "received"
+    except unickpt.SyncError as e:
+        out["after_close"] = str(e)
+    out["after_close_s"] = time.perf_counter() - t
+    sub.store.add("test/rejected_done", 1)
+    return out

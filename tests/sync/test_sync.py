@@ -110,7 +110,7 @@ def test_a_trainer_rank_dying_mid_publish_leaves_the_previous_version(tmp_path):
     assert out["error"] is not None and "version 2" in out["error"] and "keeps version 1" in out["error"]
     assert out["again"].startswith("TimeoutError: no trainer joined weight-sync generation")
     assert "no version is staged" in out["apply"]
-    assert res["train"][0]["error"] is not None and "version 2" in res["train"][0]["error"]
+    assert "version 2: a training rank is gone" in res["train"][0]["error"]
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -173,3 +173,20 @@ def test_an_inference_job_that_closes_mid_publish_is_dropped_without_error():
     assert res["infer"] == [1, 1]
     for out in res["train"]:
         assert out["first"] == 2 and out["later"] == [(0, None), (0, None)]
+
+
+def test_inference_ranks_stage_a_version_all_or_none_and_follow_a_trainer_that_leaves():
+    """Version 2's messages to inference rank 1 fail their checksum twice: rank 0 got its own messages whole,
+    yet neither rank stages version 2 (they agree), both keep version 1 bitwise, the trainers report the
+    failure; both join again and get version 3 in full. When the trainer closes, a waiting receive learns it
+    from the store at once (SyncError) instead of waiting out its timeout."""
+    addr = _addr()
+    res = run_jobs({"train": (w.rejected_trainer, 2, (addr,)), "infer": (w.rejected_subscriber, 2, (addr,))})
+    for out in res["infer"]:
+        assert out["first"] == 1 and out["kept_1"]
+        assert "version 2 of generation 1 was not received whole" in out["second"] and "keeps version 1" in out["second"]
+        assert out["third"] == (3, 2, 0, True)
+        assert "the trainer left weight-sync generation 2" in out["after_close"] and out["after_close_s"] < 10
+    for reports in res["train"]:
+        assert reports[1]["error"] is None and reports[3]["error"] is None and reports[3]["generation"] == 2
+        assert "version 2" in reports[2]["error"]

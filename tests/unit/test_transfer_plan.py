@@ -145,7 +145,7 @@ def test_a_tied_name_is_served_by_its_tensor_and_travels_once():
         resolve_needs(targets[:1], _lookup([[emb, head]]), own_aliases={"head": "emb"})
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "column-block", "fp32-in-bf16-words"])
+@pytest.mark.parametrize("layout", ["contiguous", "column-block", "fp32-in-bf16-words", "transposed"])
 def test_changed_words_compares_live_tensors_with_the_last_version(layout):
     """The delta's compare without packing: a live tensor (contiguous, or a strided column block) against
     the buffer holding its last version; the indices are row-major words, the values the new words, and
@@ -153,16 +153,35 @@ def test_changed_words_compares_live_tensors_with_the_last_version(layout):
     g = torch.Generator().manual_seed(1)
     full = torch.randn(64, 48, generator=g)
     src = {"contiguous": full.bfloat16(), "column-block": full.bfloat16()[:, 8:24],
-           "fp32-in-bf16-words": full[:, 8:24]}[layout]
+           "fp32-in-bf16-words": full[:, 8:24], "transposed": full.t()[:3]}[layout]
+    if layout == "transposed":  # fp32 rows of a transposed view: the last dim has no unit stride
+        assert src.stride(-1) != 1
     prev = src.contiguous().view(-1).view(torch.uint8).clone()
-    flat = src.view(torch.int16)  # the words (an fp32 tensor: two per value)
+    flat = src.contiguous().view(torch.int16)  # the words (an fp32 tensor: two per value)
     rows = torch.randperm(src.shape[0], generator=g)[:5]
     before = flat.clone()
-    flat[rows, 3] ^= 1  # five words change
+    flat[rows, 3] ^= 1  # one word in each of (up to) five rows changes
+    src.copy_(flat.view(src.dtype))
     got = wire.changed_words(src, prev, 2, limit=100)
     assert got is not None
     idx, values = got
     expect = (before != flat).contiguous().view(-1).nonzero().flatten()
-    assert idx.tolist() == expect.tolist() and len(idx) == 5
+    assert idx.tolist() == expect.tolist() and len(idx) == len(rows)
     assert values.tolist() == flat.contiguous().view(-1)[expect].tolist()
-    assert wire.changed_words(src, prev, 2, limit=4) is None
+    assert wire.changed_words(src, prev, 2, limit=len(rows) - 1) is None
+
+
+def test_changed_words_on_a_scalar_and_the_sampled_estimate():
+    """A 0-d fp32 tensor in a message of 2-byte words, and the 1/64 estimate that sends a mostly-changed
+    version whole without a full compare."""
+    x = torch.tensor(1.5)
+    prev = x.reshape(1).view(torch.uint8).clone()
+    assert wire.changed_words(x, prev, 2, limit=10)[0].tolist() == []
+    x.fill_(-2.0)
+    idx, _ = wire.changed_words(x, prev, 2, limit=10)
+    assert len(idx) >= 1
+    big = torch.randn(1024, 16).bfloat16()
+    base = big.view(-1).view(torch.uint8).clone()
+    assert wire.sampled_changes(big, base, 2) == 0
+    big.add_(1.0)
+    assert wire.sampled_changes(big, base, 2) > 0.9 * big.numel()
