@@ -221,9 +221,9 @@ class Publisher:
         if failed:
             closed = self.gens.closed(g)
             self._leave()
-            if closed and not isinstance(error, (StateMismatchError, SyncError)):
+            if closed and not isinstance(error, StateMismatchError):  # (a mismatch is the same on every rank)
                 report.subscribers, report.seconds = 0, time.perf_counter() - t0
-                return report  # the inference job closed while this version was on its way
+                return report  # the inference job closed while this version was on its way: alike on every rank
             if error is None:
                 error = SyncError(f"version {version} not delivered: another training rank's transfer failed")
             elif not isinstance(error, (StateMismatchError, SyncError)):
