@@ -35,7 +35,7 @@ from . import codec, sd_cache
 from .writeback import set_module_state
 from .leaves import PerRank, Shard
 
-__all__ = ["TensorLeaf", "FlatState", "flatten", "saved_leaves", "dtensor_box", "check_leaf_fits",
+__all__ = ["TensorLeaf", "FlatState", "flatten", "tensor_leaf", "saved_leaves", "dtensor_box", "check_leaf_fits",
            "optimizers_untouched", "undone_on_error"]
 
 
@@ -265,7 +265,7 @@ def sharded_tensor_shard(st: Any, fqn: str) -> Shard:
     return Shard(shards[0].tensor, shape, offsets=tuple(int(o) for o in shards[0].metadata.shard_offsets))
 
 
-def _tensor_leaf(fqn: str, x: Any) -> TensorLeaf:
+def tensor_leaf(fqn: str, x: Any) -> TensorLeaf:
     if _is_sharded_tensor(x):
         x = sharded_tensor_shard(x, fqn)
     t = x.tensor if isinstance(x, Shard) else x
@@ -410,7 +410,7 @@ def _flatten(state: dict, *, for_load: bool, allow_pickle: bool) -> FlatState:
             return x
         if _is_tensor_leaf(x):
             claim(fqn, path)
-            leaf = _tensor_leaf(fqn, x)
+            leaf = tensor_leaf(fqn, x)
             akey = _alias_key(leaf)
             leaf.storage_ptr = None if akey is None else akey[0]
             if akey is not None and akey in seen_alias:

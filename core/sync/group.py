@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..dist.comm import Comm
 
-__all__ = ["KEY", "open_store", "Generations", "PairGroup", "broadcast_int", "max_ints"]
+__all__ = ["KEY", "open_store", "Generations", "PairGroup", "max_ints"]
 
 KEY = "unickpt_sync"
 
@@ -54,15 +54,6 @@ def open_store(address: Any, host: bool, timeout_s: float) -> Any:
         raise ValueError(f"rendezvous address {address!r}: expected 'host:port'")
     return dist.TCPStore(hostname, int(port), None, host, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
-
-
-def broadcast_int(comm: Comm, value: int) -> int:
-    """Rank 0's ``value`` on every rank of ``comm`` (one broadcast of 8 bytes on its private gloo group)."""
-    if comm.world_size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.broadcast(t, src=comm.ranks[0], group=comm.plan_group)
-    return int(t.item())
 
 
 def max_ints(comm: Comm, values: list[int]) -> list[int]:

@@ -253,8 +253,10 @@ class Publisher:
             dtype = str_to_dtype(self._entries[it.entry].dtype)
             yield it, (src if src.dtype == dtype else src.to(dtype))
 
-    def _pack(self, pair: _Pair, held: list[Held]) -> None:
-        for it, src in self._items(pair, held):
+    @staticmethod
+    def _pack(pair: _Pair, items: Any) -> None:
+        """Copy ``items`` (:meth:`_items`) into ``pair``'s buffer."""
+        for it, src in items:
             pair.buf[it.offset:it.offset + it.nbytes].view(src.dtype).view(it.at.lengths).copy_(src)
 
     def _diff(self, pair: _Pair, held: list[Held]) -> tuple[torch.Tensor, int] | None:
@@ -266,20 +268,20 @@ class Publisher:
         if pair.buf.device.type != "cpu":  # pragma: no cover - CUDA
             assert pair.spare is not None
             pair.prev, pair.buf, pair.spare = pair.buf, pair.spare, pair.buf
-            self._pack(pair, held)
+            self._pack(pair, self._items(pair, held))
             got = wire.encode_delta(pair.buf, pair.prev, word)
             return None if got is None else (got[0], got[2])
         limit = wire.max_delta_words(pair.plan.nbytes, word)
         items = list(self._items(pair, held))
         guess = sum(wire.sampled_changes(src, pair.buf[it.offset:it.offset + it.nbytes], word) for it, src in items)
         if guess > 2 * limit:  # most values changed: send it whole, at the cost of a pack
-            self._pack(pair, held)
+            self._pack(pair, items)
             return None
         idxs, values = [], []
         for it, src in items:
             found = wire.changed_words(src, pair.buf[it.offset:it.offset + it.nbytes], word, limit)
             if found is None:
-                self._pack(pair, held)
+                self._pack(pair, items)
                 return None
             where, new = found
             limit -= where.size
@@ -299,7 +301,7 @@ class Publisher:
             if got is not None:
                 return wire.DELTA, got[0], got[1]
         else:
-            self._pack(pair, held)
+            self._pack(pair, self._items(pair, held))
         return wire.FULL, pair.buf, 0
 
     def _post(self, payload: torch.Tensor, dst: int) -> Any:

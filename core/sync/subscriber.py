@@ -3,7 +3,7 @@
 Who does what, on every inference rank, in the caller's thread:
 
 - :meth:`Subscriber.receive` (blocking): at the first call, or the first after a failed version, join a
-  new generation (rank 0 registers it; one broadcast of 8 bytes on the inference job's private gloo
+  new generation (rank 0 registers it; one all-reduce of 8 bytes on the inference job's private gloo
   group; the pair group; two all-gathers to exchange layouts; the plan, computed alike on every rank
   of both jobs), then wait on the store for the next version's announcement and receive one message
   from each training rank that holds bytes this rank needs, into that sender's *staging buffer* (the
@@ -34,7 +34,7 @@ from ..errors import StateMismatchError, SyncError
 from ..plan.mapping import Mapping
 from ..plan.transfer import PairPlan, needs_from_json, needs_to_json, plan_transfers, resolve_needs, sources_from_json
 from . import wire
-from .group import Generations, PairGroup, broadcast_int, max_ints, open_store
+from .group import Generations, PairGroup, max_ints, open_store
 from .publisher import TAG_ACK, TAG_HEADER, TAG_PAYLOAD
 from .tensors import Held, local_view, targets
 
@@ -121,7 +121,7 @@ class Subscriber:
         on_cuda = bool(held) and held[0].tensor.device.type == "cuda"
         if self._pending is None:  # registered once; a join that times out waits for the same one next time
             g = self.gens.register(self.world, "cuda" if on_cuda else "cpu") if self.rank == 0 else 0
-            self._pending = broadcast_int(self.comm, g)
+            self._pending = max_ints(self.comm, [g])[0]  # rank 0's (the others give 0)
         g = self._pending
         pubs = self.gens.publishers(g, timeout_s)
         device = held[0].tensor.device if on_cuda and self.gens.data_device(g) == "cuda" else torch.device("cpu")

@@ -13,7 +13,6 @@ which the subscriber holds one full tensor per name.
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,7 @@ from torch import nn
 from ..format.dtypes import dtype_to_str
 from ..geometry import Box, FlatRange, chunk_pieces
 from ..plan.transfer import SourceEntry, TargetEntry
-from ..state.flat import dtensor_box
+from ..state.flat import tensor_leaf
 from ..state.leaves import Shard
 
 __all__ = ["Held", "published", "targets", "local_view", "state_of"]
@@ -54,31 +53,19 @@ def state_of(obj: Any) -> dict:
     return obj
 
 
-def _is_dtensor(x: Any) -> bool:
-    # no import: until torch.distributed.tensor has been imported, no DTensor exists
-    mod = sys.modules.get("torch.distributed.tensor")
-    cls = getattr(mod, "DTensor", None) if mod is not None else None
-    return cls is not None and isinstance(x, cls)
-
-
 def _held(name: str, x: Any) -> list[Held]:
-    if isinstance(x, Shard):
-        t, shape = x.tensor, x.global_shape
-        if isinstance(x.spec, FlatRange):
-            flat = t.reshape(-1)
-            return [Held(name, shape, t.dtype, p.box, flat[p.elem_offset:p.elem_offset + p.box.numel].view(p.box.lengths))
-                    for p in chunk_pieces(x.spec, shape)]
-        return [Held(name, shape, t.dtype, x.spec, t)]
-    if _is_dtensor(x):
-        local = getattr(x, "_local_tensor", None)
-        local = x.to_local() if local is None else local
-        return [Held(name, tuple(x.shape), x.dtype, dtensor_box(x, name), local)]
-    if isinstance(x, torch.Tensor):
-        shape = tuple(x.shape)
-        return [Held(name, shape, x.dtype, Box((0,) * len(shape), shape), x)]
+    """The boxes of one published leaf (:func:`~unickpt.state.flat.tensor_leaf`, as a save reads it; a flat
+    range cut into its storage-contiguous boxes)."""
     if isinstance(x, (list, tuple)) and x and all(isinstance(s, Shard) for s in x):
         return [h for s in x for h in _held(name, s)]
-    raise TypeError(f"{name!r}: a weight sync moves tensors, DTensors and unickpt.Shard leaves, got {type(x).__name__}")
+    if not isinstance(x, (torch.Tensor, Shard)):
+        raise TypeError(f"{name!r}: a weight sync moves tensors, DTensors and unickpt.Shard leaves, got {type(x).__name__}")
+    leaf = tensor_leaf(name, x)
+    if isinstance(leaf.spec, FlatRange):
+        flat = leaf.local.reshape(-1)
+        return [Held(name, leaf.global_shape, leaf.dtype, p.box, flat[p.elem_offset:p.elem_offset + p.box.numel].view(p.box.lengths))
+                for p in chunk_pieces(leaf.spec, leaf.global_shape)]
+    return [Held(name, leaf.global_shape, leaf.dtype, leaf.spec, leaf.local)]
 
 
 def _storage_key(t: torch.Tensor) -> tuple | None:

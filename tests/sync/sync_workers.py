@@ -302,7 +302,7 @@ class DyingPublisher(Publisher):
 
     def _send(self, version, held, report):
         if version == self.die_at:
-            self._pack(self._pairs[0], held)
+            self._pack(self._pairs[0], self._items(self._pairs[0], held))
             os._exit(3)
         return super()._send(version, held, report)
 
